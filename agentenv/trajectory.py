@@ -1,0 +1,196 @@
+"""Trajectories: the record a rollout produces and a learner consumes, plus a versioned JSONL format.
+
+Contract (one object per trajectory):
+
+* ``token_ids``: ONE flat token sequence -- the rendered prompt, then every assistant turn and every observation /
+  tool-result turn, appended in order. It is built by appending chat-template deltas; the history is never
+  re-tokenized (see :mod:`agentenv.chat`).
+* ``action_mask[t]``: True exactly on tokens the policy sampled (including the end-of-turn token it sampled); False
+  on system / user prompt, observation and tool-output tokens and on template glue.
+* ``behavior_logprobs[t]``: log mu(token_t) under the distribution the sampler actually drew from (after
+  temperature, top-p, top-k); 0.0 wherever ``action_mask`` is False.
+* ``policy_version[t]``: version of the weights that sampled token t; -1 wherever ``action_mask`` is False.
+* ``reward``, ``success``, ``terminated``, ``truncated``, ``finish_reason`` (one of :data:`FINISH_REASONS`),
+  ``num_turns``, ``num_tool_calls``, ``num_tool_errors``, ``num_tool_timeouts``, ``num_invalid_actions``,
+  ``messages`` (the human-readable chat), ``tools`` (schemas shown to the model), ``sampling`` (temperature, top_p,
+  top_k, max_new_tokens), ``model`` and ``model_path``, ``env``, ``task``, ``task_type``, ``segments`` (start offsets of
+  token segments; more than one only where a chat template was not append-only and a new segment was started).
+
+All four per-token lists have the same length. Text-policy trajectories (scripted experts) have empty token lists.
+
+The JSONL file format is versioned by a ``schema_version`` field in every line. :func:`read_jsonl` reads the current
+version and every older one it knows how to upgrade; anything else is a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Iterable, Iterator
+
+SCHEMA_VERSION = 1
+
+FINISH_REASONS = (
+    "done",  # the env ended the episode (task solved or failed)
+    "max_turns",  # the runtime's turn limit
+    "context_limit",  # the next turn would not fit in max_total_tokens
+    "max_new_tokens",  # an assistant turn hit max_new_tokens without ending its turn
+    "invalid_action_budget",  # the env's invalid-action budget ran out
+    "env_error",  # env.reset/step raised; what was collected is kept
+    "policy_error",  # the sampler raised; what was collected is kept
+    "env_truncated",  # the env truncated the episode for its own reason (e.g. its own step limit)
+)
+
+
+@dataclass
+class Trajectory:
+    env: str = ""
+    task: str = ""
+    task_type: str | None = None
+    model: str = ""
+    model_path: str | None = None
+    sampling: dict = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    action_mask: list[bool] = field(default_factory=list)
+    behavior_logprobs: list[float] = field(default_factory=list)
+    policy_version: list[int] = field(default_factory=list)
+    segments: list[int] = field(default_factory=lambda: [0])
+    messages: list[dict] = field(default_factory=list)
+    tools: list[dict] | None = None
+    reward: float = 0.0
+    success: bool = False
+    terminated: bool = False
+    truncated: bool = False
+    finish_reason: str = "done"
+    num_turns: int = 0
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
+    num_tool_timeouts: int = 0
+    num_invalid_actions: int = 0
+    tool_call_before_answer: bool = False
+    error: str | None = None
+    wall_time_s: float = 0.0
+    time_generation_s: float = 0.0
+    time_env_s: float = 0.0
+    id: str = ""
+    meta: dict = field(default_factory=dict)
+
+    # --- derived ------------------------------------------------------------------------------------------------
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(self.action_mask)
+
+    @property
+    def versions(self) -> list[int]:
+        """Distinct policy versions that sampled this trajectory's tokens (sorted)."""
+        return sorted({v for v, m in zip(self.policy_version, self.action_mask) if m})
+
+    def validate(self) -> None:
+        """Raise ValueError if the per-token fields break the contract."""
+        n = len(self.token_ids)
+        for name in ("action_mask", "behavior_logprobs", "policy_version"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries but token_ids has {n}")
+        for t, (m, lp, v) in enumerate(zip(self.action_mask, self.behavior_logprobs, self.policy_version)):
+            if m:
+                if not (math.isfinite(lp) and lp <= 0.0):
+                    raise ValueError(f"behavior_logprobs[{t}]={lp} on a sampled token must be finite and <= 0")
+                if v < 0:
+                    raise ValueError(f"policy_version[{t}]={v} on a sampled token must be >= 0")
+            elif lp != 0.0:
+                raise ValueError(f"behavior_logprobs[{t}]={lp} must be 0.0 on a non-sampled token")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}")
+        if not math.isfinite(self.reward):
+            raise ValueError(f"reward must be finite, got {self.reward}")
+
+    # --- (de)serialisation --------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["schema_version"] = SCHEMA_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trajectory":
+        d = _upgrade(dict(d))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known - {"schema_version"})
+        if unknown:
+            raise ValueError(f"trajectory record has unknown fields {unknown} (schema_version {SCHEMA_VERSION})")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def _upgrade(d: dict) -> dict:
+    """Bring a record of an older schema version up to :data:`SCHEMA_VERSION`, or fail clearly."""
+    version = d.get("schema_version")
+    if version is None:
+        raise ValueError("trajectory record has no schema_version; it was not written by agentenv")
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ValueError(
+            f"trajectory record has schema_version {version!r}, newer than this agentenv understands "
+            f"({SCHEMA_VERSION}); upgrade agentenv to read it"
+        )
+    if version < 1:
+        raise ValueError(f"trajectory schema_version {version} predates the first released format (1)")
+    return d
+
+
+def write_jsonl(path: str | os.PathLike, trajectories: Iterable[Trajectory], *, append: bool = False) -> int:
+    """Write trajectories one JSON object per line. Returns the number written. Flushes each line so a crash
+    loses at most the line being written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with open(path, "a" if append else "w", encoding="utf-8") as f:
+        for traj in trajectories:
+            f.write(json.dumps(traj.to_dict(), ensure_ascii=False) + "\n")
+            f.flush()
+            n += 1
+    return n
+
+
+class JsonlWriter:
+    """Append-as-you-go writer for long runs (one line per finished trajectory, flushed)."""
+
+    def __init__(self, path: str | os.PathLike, append: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a" if append else "w", encoding="utf-8")
+        self.count = 0
+
+    def write(self, traj: Trajectory) -> None:
+        self._f.write(json.dumps(traj.to_dict(), ensure_ascii=False) + "\n")
+        self._f.flush()
+        self.count += 1
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> "JsonlWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[Trajectory]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            try:
+                yield Trajectory.from_dict(d)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+
+
+def read_jsonl(path: str | os.PathLike) -> list[Trajectory]:
+    return list(iter_jsonl(path))
