@@ -1,0 +1,373 @@
+"""Declaring tools, parsing Hermes ``<tool_call>`` blocks, and running calls without ever raising.
+
+Contract:
+
+* A tool is a plain Python function with type hints and a docstring. :func:`tool` (decorator) or
+  :meth:`Tool.from_function` turns it into a :class:`Tool` whose :meth:`Tool.schema` is the OpenAI function format
+  that ``tokenizer.apply_chat_template(..., tools=[...])`` renders::
+
+      {"type": "function", "function": {"name": ..., "description": ..., "parameters": {JSON schema}}}
+
+  The description is the docstring's text before its sections; parameter descriptions come from a Google-style
+  ``Args:`` section. Supported hints: ``str``, ``int``, ``float``, ``bool``, ``list[T]``, ``dict`` /
+  ``dict[str, T]``, ``Literal[...]`` (-> ``enum``), ``Optional[T]`` / ``T | None`` (-> ``"null"`` allowed) and
+  unions of supported types. A parameter with a default is optional (its default is shown if JSON-serialisable).
+  Anything else -- a missing hint, ``*args`` / ``**kwargs``, positional-only parameters, an unsupported type --
+  raises :class:`ToolDefinitionError` at declaration time, naming the function and the parameter.
+* :func:`parse_tool_calls` finds every ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block in an
+  assistant message, in order (a final block the model did not close is still parsed). A block that is not such a
+  JSON object becomes a :class:`ToolCall` with ``error`` set; it is never dropped and never raises.
+* :func:`execute` runs one call against a ``{name: Tool}`` table and ALWAYS returns a :class:`ToolResult`: malformed
+  calls, unknown tools, missing / unexpected / wrongly-typed arguments, exceptions raised by the tool (reported as
+  a short traceback of the tool's own frames) and unusable return values all become ``error=True`` results whose
+  ``content`` tells the policy what went wrong.
+* Return values: a ``str`` is the tool message as is; any other JSON-serialisable value (numbers, bools, None,
+  lists, dicts) is sent as its JSON text; anything else (bytes, arbitrary objects) is a tool error naming the type,
+  because silently ``str()``-ing it would show the model a repr it cannot use. A tool that needs to report its own
+  status (e.g. a sandbox that timed out) returns a :class:`ToolOutput`; raising ``TimeoutError`` also counts as a
+  timeout. Arguments are checked strictly against the schema (``"3"`` is not an ``int``; an ``int`` is accepted for
+  a ``float``) so the policy learns the schema instead of having its mistakes silently repaired.
+
+In-process tools are trusted code and run with no time limit; untrusted code belongs in a sandbox
+(see :mod:`agentenv.envs.python_tool`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import traceback
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Union, get_args, get_origin
+
+__all__ = [
+    "Tool", "ToolCall", "ToolOutput", "ToolResult", "ToolDefinitionError",
+    "tool", "parse_tool_calls", "has_tool_call", "execute",
+]
+
+
+class ToolDefinitionError(TypeError):
+    """A function cannot be turned into a tool (its JSON schema cannot be built)."""
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """What a tool may return to report its own status along with the text the policy sees."""
+
+    content: str
+    error: bool = False
+    timeout: bool = False
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed ``<tool_call>`` block. ``error`` is set when the block is not a usable call."""
+
+    name: str | None
+    arguments: Any = field(default_factory=dict)  # should be a dict; anything else is reported when run
+    raw: str = ""
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    name: str | None
+    content: str
+    error: bool = False
+    timeout: bool = False
+    malformed: bool = False  # the block could not be parsed as a call at all
+
+
+# --- schema from type hints -----------------------------------------------------------------------------------------
+
+_PRIMITIVES: dict[type, str] = {str: "string", int: "integer", float: "number", bool: "boolean"}
+_UNION_TYPES = (Union, types.UnionType)
+
+
+def _type_schema(hint: Any, where: str) -> dict:
+    """JSON schema for one type hint; ``where`` names the parameter for error messages."""
+    if hint in _PRIMITIVES:
+        return {"type": _PRIMITIVES[hint]}
+    if hint is type(None):
+        return {"type": "null"}
+    origin, args = get_origin(hint), get_args(hint)
+    if hint in (list, typing.List):
+        return {"type": "array"}
+    if hint in (dict, typing.Dict):
+        return {"type": "object"}
+    if origin is list:
+        return {"type": "array", "items": _type_schema(args[0], where)}
+    if origin is dict:
+        if args and args[0] is not str:
+            raise ToolDefinitionError(f"{where}: dict keys must be str (JSON object keys), got {args[0]!r}")
+        return {"type": "object", "additionalProperties": _type_schema(args[1], where)} if args else {"type": "object"}
+    if origin is Literal:
+        kinds = {type(a) for a in args}
+        if len(kinds) != 1 or not kinds <= set(_PRIMITIVES):
+            raise ToolDefinitionError(f"{where}: Literal values must all be str, or all int/float/bool, got {args!r}")
+        return {"type": _PRIMITIVES[kinds.pop()], "enum": list(args)}
+    if origin in _UNION_TYPES:
+        subs = [_type_schema(a, where) for a in args]
+        if all(set(s) == {"type"} for s in subs):  # plain types: the compact form models are trained on
+            return {"type": [s["type"] for s in subs]}
+        return {"anyOf": subs}
+    raise ToolDefinitionError(
+        f"{where}: unsupported type {hint!r}; use str, int, float, bool, list[...], dict[str, ...], Literal[...] "
+        "or Optional[...] of those"
+    )
+
+
+_SECTION = re.compile(r"^\s*(Args|Arguments|Parameters|Returns|Return|Yields|Raises|Examples?|Notes?)\s*:\s*$")
+_ARG_LINE = re.compile(r"^\s*(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """Split a Google-style docstring into (description, {param: description})."""
+    lines = inspect.cleandoc(doc).splitlines()
+    desc: list[str] = []
+    params: dict[str, str] = {}
+    section, current, indent = None, None, None
+    for line in lines:
+        m = _SECTION.match(line)
+        if m:
+            section, current, indent = m.group(1), None, None
+            continue
+        if section is None:
+            desc.append(line)
+        elif section in ("Args", "Arguments", "Parameters") and line.strip():
+            lead = len(line) - len(line.lstrip())
+            a = _ARG_LINE.match(line)
+            if a and (indent is None or lead <= indent):
+                indent, current = lead, a.group(1).lstrip("*")
+                params[current] = a.group(2).strip()
+            elif current is not None:  # continuation line of the current parameter
+                params[current] = (params[current] + " " + line.strip()).strip()
+    return "\n".join(desc).strip(), params
+
+
+def _json_default(value: Any) -> tuple[bool, Any]:
+    try:
+        json.dumps(value)
+        return True, value
+    except (TypeError, ValueError):
+        return False, None
+
+
+# --- argument checking ----------------------------------------------------------------------------------------------
+
+def _check(value: Any, schema: dict) -> str | None:
+    """None if ``value`` matches ``schema`` (the subset :func:`_type_schema` produces), else why not."""
+    if "anyOf" in schema:
+        return None if any(_check(value, s) is None for s in schema["anyOf"]) else f"does not match any of {schema['anyOf']}"
+    t = schema.get("type")
+    if isinstance(t, list):
+        return None if any(_check(value, {"type": x}) is None for x in t) else f"expected one of {t}, got {_jtype(value)}"
+    ok = {
+        "string": isinstance(value, str),
+        "integer": isinstance(value, int) and not isinstance(value, bool),
+        "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "boolean": isinstance(value, bool),
+        "null": value is None,
+        "array": isinstance(value, list),
+        "object": isinstance(value, dict),
+    }.get(t, True)
+    if not ok:
+        return f"expected {t}, got {_jtype(value)}"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"must be one of {schema['enum']}, got {value!r}"
+    if t == "array" and "items" in schema:
+        for i, v in enumerate(value):
+            if (why := _check(v, schema["items"])) is not None:
+                return f"item {i}: {why}"
+    if t == "object" and "additionalProperties" in schema:
+        for k, v in value.items():
+            if (why := _check(v, schema["additionalProperties"])) is not None:
+                return f"key {k!r}: {why}"
+    return None
+
+
+def _jtype(value: Any) -> str:
+    for t, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"), (dict, "object")):
+        if isinstance(value, t):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+# --- the tool -------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict  # JSON schema of the arguments object
+    fn: Callable[..., Any]
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None) -> "Tool":
+        if isinstance(fn, Tool):
+            return fn
+        if not callable(fn):
+            raise ToolDefinitionError(f"a tool must be a function, got {type(fn).__name__}")
+        fname = name or getattr(fn, "__name__", None)
+        if not fname or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]{0,63}", fname):
+            raise ToolDefinitionError(f"tool name {fname!r} must be 1-64 letters, digits, '_' or '-'")
+        doc_desc, arg_docs = _parse_docstring(fn.__doc__ or "")
+        desc = description if description is not None else doc_desc
+        if not desc:
+            raise ToolDefinitionError(
+                f"tool {fname!r} has no description: give the function a docstring (the model reads it to decide "
+                "when to call the tool) or pass description="
+            )
+        try:
+            hints = typing.get_type_hints(fn)
+        except Exception as e:  # unresolvable forward reference etc.
+            raise ToolDefinitionError(f"tool {fname!r}: cannot resolve type hints ({e})") from e
+        props: dict[str, dict] = {}
+        required: list[str] = []
+        for p in inspect.signature(fn).parameters.values():
+            where = f"tool {fname!r}, parameter {p.name!r}"
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise ToolDefinitionError(f"{where}: *args / **kwargs cannot be described by a JSON schema; name each argument")
+            if p.kind is p.POSITIONAL_ONLY:
+                raise ToolDefinitionError(f"{where}: positional-only parameters cannot be passed by name from JSON")
+            if p.name not in hints:
+                raise ToolDefinitionError(f"{where}: missing type annotation (the schema is built from type hints)")
+            s = _type_schema(hints[p.name], where)
+            if p.name in arg_docs and arg_docs[p.name]:
+                s["description"] = arg_docs[p.name]
+            if p.default is p.empty:
+                required.append(p.name)
+            else:
+                ok, default = _json_default(p.default)
+                if ok:
+                    s["default"] = default
+            props[p.name] = s
+        unknown_doc = set(arg_docs) - set(props)
+        if unknown_doc:
+            raise ToolDefinitionError(f"tool {fname!r}: docstring Args lists {sorted(unknown_doc)}, which are not parameters")
+        params = {"type": "object", "properties": props, "required": required}
+        return cls(name=fname, description=desc, parameters=params, fn=fn)
+
+    def schema(self) -> dict:
+        """OpenAI function format, as ``apply_chat_template(tools=...)`` expects."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+    def check_arguments(self, arguments: Any) -> str | None:
+        """None if ``arguments`` fits the schema, else a message for the policy."""
+        if not isinstance(arguments, dict):
+            return f"arguments must be a JSON object, got {_jtype(arguments)}"
+        props, required = self.parameters["properties"], self.parameters["required"]
+        problems = [f"missing required argument {k!r}" for k in required if k not in arguments]
+        problems += [f"unexpected argument {k!r}" for k in arguments if k not in props]
+        for k, v in arguments.items():
+            if k in props and (why := _check(v, props[k])) is not None:
+                problems.append(f"argument {k!r}: {why}")
+        if problems:
+            sig = ", ".join(f"{k}: {_fmt_type(s)}" + ("" if k in required else " (optional)") for k, s in props.items())
+            return "; ".join(problems) + f". Signature: {self.name}({sig})"
+        return None
+
+    def __call__(self, **arguments: Any) -> Any:
+        return self.fn(**arguments)
+
+
+def _fmt_type(s: dict) -> str:
+    if "anyOf" in s:
+        return " | ".join(_fmt_type(x) for x in s["anyOf"])
+    t = s.get("type", "any")
+    return " | ".join(t) if isinstance(t, list) else t
+
+
+def tool(fn: Callable | None = None, *, name: str | None = None, description: str | None = None):
+    """Decorator: ``@tool`` or ``@tool(name=..., description=...)`` turns a function into a :class:`Tool`.
+    The result is still callable with keyword arguments."""
+    if fn is None:
+        return lambda f: Tool.from_function(f, name=name, description=description)
+    return Tool.from_function(fn, name=name, description=description)
+
+
+# --- parsing --------------------------------------------------------------------------------------------------------
+
+_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+
+def has_tool_call(text: str) -> bool:
+    return "<tool_call>" in text
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Every ``<tool_call>`` block in ``text``, in order. Never raises; bad blocks carry ``error``."""
+    calls = []
+    for m in _BLOCK.finditer(text):
+        raw = m.group(1).strip()
+        # Tolerate a markdown fence inside the tags: some models wrap the JSON in ```json ... ```.
+        body = re.sub(r"^```(?:json)?\s*|\s*```$", "", raw)
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as e:
+            calls.append(ToolCall(None, raw=raw, error=f"the tool call is not valid JSON ({e.msg} at char {e.pos})"))
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            calls.append(ToolCall(None, raw=raw, error='a tool call must be a JSON object {"name": <tool name>, "arguments": {...}}'))
+            continue
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):  # OpenAI-style arguments encoded as a JSON string
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                calls.append(ToolCall(obj["name"], raw=raw, error="\"arguments\" is a string that is not a JSON object"))
+                continue
+        calls.append(ToolCall(obj["name"], args, raw=raw))  # a non-object is reported when the call is run
+    return calls
+
+
+# --- running --------------------------------------------------------------------------------------------------------
+
+def _traceback_summary(exc: BaseException, fn: Callable, limit: int = 3) -> str:
+    """The last frames from the tool's own code onwards, then the exception line."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    code = getattr(fn, "__code__", None)
+    start = next((i for i, fr in enumerate(tb) if code and fr.filename == code.co_filename and fr.name == code.co_name), 0)
+    frames = traceback.format_list(tb[start:][-limit:])
+    return "Traceback (most recent call last):\n" + "".join(frames) + "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
+
+
+def _to_text(value: Any, name: str) -> ToolResult:
+    if isinstance(value, ToolOutput):
+        return ToolResult(name, value.content, error=value.error or value.timeout, timeout=value.timeout)
+    if isinstance(value, str):
+        return ToolResult(name, value)
+    try:
+        return ToolResult(name, json.dumps(value, ensure_ascii=False))
+    except (TypeError, ValueError):
+        return ToolResult(
+            name,
+            f"Error: tool {name!r} returned a {type(value).__name__}, which is not text; tools must return str or a "
+            "JSON-serialisable value (this is a bug in the tool, not in the call)",
+            error=True,
+        )
+
+
+def execute(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:
+    """Run one call. Never raises (except KeyboardInterrupt / SystemExit): every failure is an error result."""
+    if call.error is not None:
+        return ToolResult(call.name, f"Error: {call.error}. Expected <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}</tool_call>.", error=True, malformed=True)
+    t = tools.get(call.name)
+    if t is None:
+        return ToolResult(call.name, f"Error: unknown tool {call.name!r}. Available tools: {', '.join(sorted(tools)) or 'none'}.", error=True)
+    problem = t.check_arguments(call.arguments)
+    if problem is not None:
+        return ToolResult(call.name, f"Error calling {call.name!r}: {problem}", error=True)
+    # Hints say float; JSON may carry an int. Give the function the type it declared.
+    args = {k: float(v) if t.parameters["properties"][k].get("type") == "number" and type(v) is int else v for k, v in call.arguments.items()}
+    try:
+        value = t.fn(**args)
+    except TimeoutError as e:
+        return ToolResult(call.name, f"Error: tool {call.name!r} timed out" + (f": {e}" if str(e) else ""), error=True, timeout=True)
+    except Exception as e:
+        return ToolResult(call.name, f"Error: tool {call.name!r} raised an exception.\n" + _traceback_summary(e, t.fn), error=True)
+    return _to_text(value, call.name)
+
