@@ -54,7 +54,7 @@ class UnicodeText(Text):
 class TextEnv(gym.Env):
     """Base class: sets the text spaces and the render mode. Subclasses implement ``reset`` and ``step``."""
 
-    metadata = {"render_modes": ["ansi"]}
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}
 
     def __init__(self, render_mode: str | None = None, max_text_length: int = 1 << 20):
         self.observation_space = UnicodeText(max_text_length)

@@ -1,0 +1,125 @@
+"""One token sequence per trajectory, grown by chat-template deltas; the history is never re-tokenized.
+
+:class:`ChatSequence` owns the four aligned per-token lists of a trajectory (see :mod:`agentenv.trajectory`):
+
+* ``start(messages, tools)`` renders the prompt with the tokenizer's own chat template (with the generation prompt)
+  and tokenizes it once.
+* ``add_sampled(generation)`` appends the sampler's tokens verbatim (mask True, their behaviour log-probs, their
+  policy version) and records the assistant message as the decoded text of those tokens.
+* ``add_message(role, content)`` appends ONLY the template delta of a new user / tool message (plus the template's
+  glue after the assistant's end-of-turn token and the next generation prompt), mask False.
+
+Deltas are computed from the real history: the template is rendered with and without the new message and the
+earlier rendering must be an exact prefix of the later one ("append-only"). If a template is not append-only (it
+rewrites earlier turns, e.g. strips reasoning from old assistant messages), ``on_rewrite="error"`` raises
+:class:`TemplateNotAppendOnly`; ``on_rewrite="segment"`` appends the delta the template gives for a new message after
+a fixed dummy history, records the offset in ``segments`` and carries on, so that the tokens stay exactly what the
+model was conditioned on.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from agentenv.policy import Generation
+
+
+class TemplateNotAppendOnly(RuntimeError):
+    pass
+
+
+class ChatSequence:
+    def __init__(self, tokenizer, *, on_rewrite: Literal["error", "segment"] = "error"):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("tokenizer has no chat_template; agentenv renders turns with the model's own template")
+        self.tok = tokenizer
+        self.on_rewrite = on_rewrite
+        self.token_ids: list[int] = []
+        self.action_mask: list[bool] = []
+        self.behavior_logprobs: list[float] = []
+        self.policy_version: list[int] = []
+        self.segments: list[int] = [0]
+        self.messages: list[dict] = []
+        self.tools: list[dict] | None = None
+        self._covered = ""  # the text the token sequence stands for, as the template renders it
+
+    # --- rendering ------------------------------------------------------------------------------------------------
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def _append(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None, version: int = -1) -> None:
+        self.token_ids += ids
+        self.action_mask += [sampled] * len(ids)
+        self.behavior_logprobs += list(logprobs) if sampled else [0.0] * len(ids)
+        self.policy_version += [version if sampled else -1] * len(ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    # --- building -------------------------------------------------------------------------------------------------
+    def start(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        if self.token_ids:
+            raise RuntimeError("ChatSequence.start called twice")
+        self.tools = tools or None
+        self.messages = [dict(m) for m in messages]
+        self._covered = self._render(self.messages, generation_prompt=True)
+        self._append(self._encode(self._covered), sampled=False)
+        return self.token_ids
+
+    def add_sampled(self, gen: Generation) -> str:
+        """Append a sampled assistant turn verbatim; returns its text (end-of-turn token removed)."""
+        ids = list(gen.token_ids)
+        self._append(ids, sampled=True, logprobs=gen.logprobs, version=gen.policy_version)
+        body = ids[:-1] if gen.stop_reason == "stop" and ids else ids
+        content = self.tok.decode(body, skip_special_tokens=False)
+        self.messages.append({"role": "assistant", "content": content})
+        self._covered += self.tok.decode(ids, skip_special_tokens=False)
+        return content
+
+    def delta_for(self, role: str, content: str) -> tuple[list[int], str]:
+        """The tokens that adding this message (and the next generation prompt) would append; does not mutate."""
+        new = self.messages + [{"role": role, "content": content}]
+        full = self._render(new, generation_prompt=True)
+        before = self._render(self.messages, generation_prompt=False)
+        if before.startswith(self._covered) and full.startswith(before):
+            text = full[len(self._covered):]
+            return self._encode(text), full
+        if self.on_rewrite == "error":
+            raise TemplateNotAppendOnly(
+                "the chat template re-renders earlier turns differently once a new message is added, so its output is "
+                "not append-only for this model; agentenv will not re-tokenize history. Use on_rewrite='segment' to "
+                "append per-message deltas and record a segment boundary instead."
+            )
+        return self._encode(self._dummy_delta(role, content)), ""
+
+    def add_message(self, role: str, content: str, ids_and_text: tuple[list[int], str] | None = None) -> list[int]:
+        """Append a user / tool message and the next generation prompt. Returns the appended token ids."""
+        if role not in ("user", "tool"):
+            raise ValueError(f"observation role must be 'user' or 'tool', got {role!r}")
+        ids, full = ids_and_text if ids_and_text is not None else self.delta_for(role, content)
+        if not full:  # segment fallback
+            self.segments.append(len(self.token_ids))
+            full = self._covered + self.tok.decode(ids, skip_special_tokens=False)
+        self._append(ids, sampled=False)
+        self.messages.append({"role": role, "content": content})
+        self._covered = full
+        return ids
+
+    def _dummy_delta(self, role: str, content: str) -> str:
+        """Delta for a message after an assistant turn, taken from a fixed two-message history."""
+        history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        prompt = self._render(history[:1], generation_prompt=True) + "y"
+        after = self._render(history, generation_prompt=False)
+        full = self._render(history + [{"role": role, "content": content}], generation_prompt=True)
+        if not (after.startswith(prompt) and full.startswith(after)):
+            raise TemplateNotAppendOnly("chat template is not append-only even for a fixed two-turn history")
+        # `after` continues the sampled end-of-turn token with template glue (e.g. "\n"); keep that glue.
+        eos = self.tok.eos_token or ""
+        glue = after[len(prompt):]
+        glue = glue[len(eos):] if eos and glue.startswith(eos) else glue
+        return glue + full[len(after):]

@@ -1,0 +1,100 @@
+"""Model names -> loadable weights, and policies built from them.
+
+``resolve_model(name)`` accepts, in this order:
+
+* ``"tiny"`` (or ``"tiny:<hidden>x<layers>"``): the built-in tiny Qwen2 model, materialised offline to a directory;
+* a local directory holding a transformers checkpoint (``config.json``);
+* a friendly alias from :data:`ALIASES` (``qwen2.5-7b`` -> ``Qwen/Qwen2.5-7B-Instruct``) or a hub id, looked up in the
+  local Hugging Face cache only -- agentenv never downloads at run time. When the weights are absent it raises
+  :class:`ModelNotAvailable` whose message says what to download and where to put it.
+
+``"expert"`` is not a model but a scripted text policy; environments that support it provide one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ALIASES: dict[str, str] = {
+    **{f"qwen2.5-{s}": f"Qwen/Qwen2.5-{s.upper()}-Instruct" for s in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")},
+    **{f"qwen2.5-math-{s}": f"Qwen/Qwen2.5-Math-{s.upper()}-Instruct" for s in ("1.5b", "7b", "72b")},
+    **{f"qwen2.5-coder-{s}": f"Qwen/Qwen2.5-Coder-{s.upper()}-Instruct" for s in ("0.5b", "1.5b", "3b", "7b", "14b", "32b")},
+    **{f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")},
+    "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "llama3.2-1b": "meta-llama/Llama-3.2-1B-Instruct",
+    "llama3.2-3b": "meta-llama/Llama-3.2-3B-Instruct",
+}
+
+
+class ModelNotAvailable(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str  # what the user asked for (recorded as `model`)
+    path: str  # local directory AutoModelForCausalLM.from_pretrained can load (recorded as `model_path`)
+    hub_id: str | None = None
+
+
+def _hf_cache_snapshot(hub_id: str) -> Path | None:
+    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")
+    repo = hub / ("models--" + hub_id.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if ref.exists():
+        snap = repo / "snapshots" / ref.read_text().strip()
+        if (snap / "config.json").exists():
+            return snap
+    snaps = sorted((repo / "snapshots").glob("*/config.json")) if (repo / "snapshots").exists() else []
+    return snaps[-1].parent if snaps else None
+
+
+def resolve_model(name: str) -> ResolvedModel:
+    if name == "tiny" or name.startswith("tiny:"):
+        from agentenv.tiny import TinyConfig, materialize_tiny
+
+        cfg = TinyConfig()
+        if ":" in name:
+            try:
+                hidden, layers = (int(x) for x in name.split(":", 1)[1].split("x"))
+            except ValueError:
+                raise ValueError(f"tiny model spec must look like 'tiny:128x4' (hidden x layers), got {name!r}") from None
+            cfg = TinyConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=4 * hidden)
+        return ResolvedModel(name=name, path=str(materialize_tiny(cfg)))
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelNotAvailable(f"{p} is a directory but holds no config.json; it is not a transformers checkpoint")
+        return ResolvedModel(name=name, path=str(p.resolve()))
+    hub_id = ALIASES.get(name.lower(), name)
+    if "/" not in hub_id:
+        raise ModelNotAvailable(
+            f"unknown model {name!r}: use 'tiny', a local checkpoint directory, a hub id (org/name) or one of the "
+            f"aliases: {', '.join(sorted(ALIASES))}"
+        )
+    snap = _hf_cache_snapshot(hub_id)
+    if snap is None:
+        raise ModelNotAvailable(
+            f"model {name!r} ({hub_id}) is not available offline: agentenv does not download weights at run time.\n"
+            f"  On a machine with internet:  huggingface-cli download {hub_id} --local-dir /path/to/{hub_id.split('/')[-1]}\n"
+            f"  then pass --model /path/to/{hub_id.split('/')[-1]}  (or copy the hub cache into $HF_HOME/hub)."
+        )
+    return ResolvedModel(name=name, path=str(snap), hub_id=hub_id)
+
+
+def load_hf_policy(name: str, *, seed: int = 0, device: str | None = None, dtype: str = "auto"):
+    """Resolve ``name`` and build an :class:`agentenv.hf_policy.HFPolicy` (tokenizer + model) from local files only."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentenv.hf_policy import HFPolicy
+
+    rm = resolve_model(name)
+    tok = AutoTokenizer.from_pretrained(rm.path, local_files_only=True)
+    torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(rm.path, local_files_only=True, dtype=torch_dtype)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return HFPolicy(model, tok, name=rm.name, model_path=rm.path, seed=seed, device=device)

@@ -1,0 +1,346 @@
+"""The multi-turn runtime: (policy, env) -> trajectories that honour the contract in :mod:`agentenv.trajectory`.
+
+* :func:`run_episode` plays one episode. The token sequence is a :class:`agentenv.chat.ChatSequence`; each turn asks
+  the policy for a continuation through ``generate_fn`` (so many episodes can share a batched sampler), appends the
+  sampled tokens verbatim, steps the env with their text, and appends only the observation's template delta.
+* Limits end an episode with a finish reason and keep everything collected so far: ``max_turns``;
+  ``max_new_tokens`` (a turn that did not emit its end-of-turn token); ``context_limit`` (the prompt plus the next
+  turn cannot fit in ``max_total_tokens``: the turn budget is shrunk to what fits and an observation that would
+  overflow is recorded in ``messages`` but not appended as tokens); ``env_error`` / ``policy_error`` when a call
+  raises (the exception text is stored in ``error``).
+* :class:`RolloutEngine` keeps up to ``concurrency`` episodes in flight on threads. Episodes queue generation
+  requests on a :class:`Batcher`, which runs one batched ``policy.generate`` over whatever requests are waiting and
+  hands each episode its result as soon as the batch returns; each episode then steps its own env at once. There is
+  no barrier across episodes: a slow env step delays only its own episode.
+* Non-LLM :class:`agentenv.policy.TextPolicy` policies (scripted experts) run through the same loop and produce
+  trajectories with messages and outcomes but empty token fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import gymnasium as gym
+
+from agentenv.chat import ChatSequence
+from agentenv.policy import Generation, GenerationRequest, SamplingParams
+from agentenv.trajectory import Trajectory
+
+log = logging.getLogger("agentenv.runtime")
+
+
+@dataclass
+class RolloutConfig:
+    max_turns: int = 10
+    max_total_tokens: int = 4096
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # max_new_tokens is the per-turn limit
+    concurrency: int = 8
+    return_entropy: bool = False
+    on_template_rewrite: str = "error"  # or "segment", see agentenv.chat
+
+
+@dataclass
+class Task:
+    """What one episode runs: a seed and optional reset options (e.g. a specific game or question)."""
+
+    seed: int | None = None
+    options: dict | None = None
+    meta: dict = field(default_factory=dict)
+
+
+GenerateFn = Callable[[GenerationRequest], Generation]
+
+
+def _env_name(env: gym.Env) -> str:
+    spec = getattr(env, "spec", None) or getattr(getattr(env, "unwrapped", None), "spec", None)
+    return spec.id if spec is not None else type(getattr(env, "unwrapped", env)).__name__
+
+
+def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
+                generate_fn: GenerateFn | None = None) -> Trajectory:
+    """Play one episode. Never raises for env/policy failures: they end the episode with a recorded reason."""
+    t_start = time.perf_counter()
+    traj = Trajectory(env=_env_name(env), model=getattr(policy, "name", ""), model_path=getattr(policy, "model_path", None),
+                      sampling=cfg.sampling.to_dict(), id=uuid.uuid4().hex, meta=dict(task.meta))
+    text_policy = not hasattr(policy, "generate")
+    try:
+        t0 = time.perf_counter()
+        obs, info = env.reset(seed=task.seed, options=task.options)
+        traj.time_env_s += time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 -- recorded, never lost
+        return _fail(traj, "env_error", e, t_start)
+    traj.task = str(info.get("task", "")) or (f"seed={task.seed}" if task.seed is not None else "")
+    traj.task_type = info.get("task_type")
+    traj.tools = info.get("tools") or None
+    messages = ([{"role": "system", "content": info["system"]}] if info.get("system") else []) + [{"role": "user", "content": obs}]
+
+    seq = None
+    if not text_policy:
+        seq = ChatSequence(policy.tokenizer, on_rewrite=cfg.on_template_rewrite)
+        seq.start(messages, traj.tools)
+        traj.segments = seq.segments
+    generate_fn = generate_fn or (lambda req: policy.generate([req])[0])
+
+    def sync() -> None:
+        if seq is None:
+            traj.messages = [dict(m) for m in messages]
+            return
+        traj.token_ids, traj.action_mask = seq.token_ids, seq.action_mask
+        traj.behavior_logprobs, traj.policy_version = seq.behavior_logprobs, seq.policy_version
+        traj.messages = seq.messages
+
+    finish = None
+    while finish is None:
+        if traj.num_turns >= cfg.max_turns:
+            traj.truncated, finish = True, "max_turns"
+            break
+        # --- the policy's turn ----------------------------------------------------------------------------------
+        t0 = time.perf_counter()
+        try:
+            if seq is None:
+                action = policy.act([dict(m) for m in messages], info)
+                messages.append({"role": "assistant", "content": action})
+            else:
+                room = cfg.max_total_tokens - len(seq)
+                if room < 1:
+                    traj.truncated, finish = True, "context_limit"
+                    break
+                budget = min(cfg.sampling.max_new_tokens, room)
+                sp = cfg.sampling if budget == cfg.sampling.max_new_tokens else _with_budget(cfg.sampling, budget)
+                gen = generate_fn(GenerationRequest(list(seq.token_ids), sp, cfg.return_entropy))
+                if len(gen.token_ids) > budget:
+                    raise RuntimeError(f"sampler returned {len(gen.token_ids)} tokens, over the budget of {budget}")
+                action = seq.add_sampled(gen)
+                if cfg.return_entropy and gen.entropies is not None:
+                    traj.meta.setdefault("entropies", []).extend(gen.entropies)
+        except Exception as e:  # noqa: BLE001
+            traj.time_generation_s += time.perf_counter() - t0
+            sync()
+            return _fail(traj, "policy_error", e, t_start)
+        traj.time_generation_s += time.perf_counter() - t0
+        traj.num_turns += 1
+        if seq is not None and gen.stop_reason == "length":
+            traj.truncated = True
+            finish = "context_limit" if budget < cfg.sampling.max_new_tokens else "max_new_tokens"
+            break
+        # --- the env's turn -------------------------------------------------------------------------------------
+        t0 = time.perf_counter()
+        try:
+            obs, reward, terminated, truncated, info = env.step(action)
+        except Exception as e:  # noqa: BLE001
+            traj.time_env_s += time.perf_counter() - t0
+            sync()
+            return _fail(traj, "env_error", e, t_start)
+        traj.time_env_s += time.perf_counter() - t0
+        traj.reward += float(reward)
+        traj.num_tool_calls += int(info.get("tool_calls", 0))
+        traj.num_tool_errors += int(info.get("tool_errors", 0))
+        traj.num_tool_timeouts += int(info.get("tool_timeouts", 0))
+        traj.num_invalid_actions += int(bool(info.get("invalid_action", False)))
+        if terminated or truncated:
+            traj.terminated, traj.truncated = bool(terminated), bool(truncated) and not terminated
+            traj.success = bool(info.get("success", False))
+            traj.tool_call_before_answer = bool(info.get("tool_call_before_answer", traj.num_tool_calls > 0))
+            finish = info.get("finish_reason") or ("done" if terminated else "max_turns")
+            messages.append({"role": info.get("role", "user"), "content": obs})
+            if seq is not None:
+                seq.messages.append({"role": info.get("role", "user"), "content": obs})
+            break
+        role = info.get("role", "user")
+        if seq is None:
+            messages.append({"role": role, "content": obs})
+            continue
+        delta = seq.delta_for(role, obs)
+        if len(seq) + len(delta[0]) >= cfg.max_total_tokens:
+            seq.messages.append({"role": role, "content": obs})  # kept for reading; its tokens would not fit
+            traj.truncated, finish = True, "context_limit"
+            break
+        seq.add_message(role, obs, delta)
+    sync()
+    traj.finish_reason = finish
+    traj.wall_time_s = time.perf_counter() - t_start
+    if seq is not None:
+        traj.validate()
+    return traj
+
+
+def _with_budget(sp: SamplingParams, budget: int) -> SamplingParams:
+    return SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=budget)
+
+
+def _fail(traj: Trajectory, reason: str, exc: BaseException, t_start: float) -> Trajectory:
+    log.warning("episode %s ended with %s: %s", traj.id[:8], reason, exc)
+    traj.finish_reason, traj.truncated, traj.success = reason, True, False
+    traj.error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    traj.wall_time_s = time.perf_counter() - t_start
+    return traj
+
+
+class Batcher:
+    """Collects generation requests from many episode threads and serves them with batched ``policy.generate``.
+
+    A batch is whatever is waiting when the sampler becomes free, topped up for at most ``max_wait_s`` while more
+    episodes are known to be about to ask (``expected`` callers). Results are delivered per request via futures.
+    """
+
+    def __init__(self, policy, max_batch_size: int = 64, max_wait_s: float = 0.002):
+        self.policy = policy
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_s
+        self._q: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="agentenv-batcher", daemon=True)
+        self._thread.start()
+        self.batches = 0
+        self.requests = 0
+
+    def __call__(self, req: GenerationRequest) -> Generation:
+        fut: Future = Future()
+        self._q.put((req, fut))
+        return fut.result()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self._q.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            items = [first]
+            deadline = time.perf_counter() + self.max_wait_s
+            while len(items) < self.max_batch_size:
+                try:
+                    items.append(self._q.get(timeout=max(0.0, deadline - time.perf_counter())))
+                except queue.Empty:
+                    break
+            try:
+                gens = self.policy.generate([r for r, _ in items])
+                for (_, fut), gen in zip(items, gens):
+                    fut.set_result(gen)
+            except BaseException as e:  # noqa: BLE001 -- every waiting episode sees the error
+                for _, fut in items:
+                    if not fut.done():
+                        fut.set_exception(e)
+            self.batches += 1
+            self.requests += len(items)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        while not self._q.empty():
+            _, fut = self._q.get_nowait()
+            fut.set_exception(RuntimeError("batcher closed"))
+
+
+class RolloutEngine:
+    """Runs episodes concurrently and yields trajectories in completion order.
+
+    ``make_env`` builds one env per worker thread (envs are not shared across threads). ``tasks`` is any iterable of
+    :class:`Task`; the engine pulls the next task as soon as a worker is free, so ``concurrency`` episodes stay in
+    flight. Every started task yields exactly one trajectory, failures included.
+    """
+
+    def __init__(self, make_env: Callable[[], gym.Env], policy, cfg: RolloutConfig):
+        self.make_env, self.policy, self.cfg = make_env, policy, cfg
+        self.batcher = Batcher(policy) if hasattr(policy, "generate") else None
+
+    def run(self, tasks: Iterable[Task]) -> Iterator[Trajectory]:
+        task_iter = iter(tasks)
+        task_lock = threading.Lock()
+        out: queue.Queue = queue.Queue()
+        stop = threading.Event()
+
+        def worker() -> None:
+            env = None
+            try:
+                env = self.make_env()
+                while not stop.is_set():
+                    with task_lock:
+                        task = next(task_iter, None)
+                    if task is None:
+                        break
+                    out.put(run_episode(env, self.policy, self.cfg, task, self.batcher))
+            except Exception as e:  # noqa: BLE001 -- a worker that cannot even build its env reports once
+                log.error("rollout worker failed: %s", e)
+                out.put(e)
+            finally:
+                if env is not None:
+                    try:
+                        env.close()
+                    except Exception:  # noqa: BLE001
+                        pass
+                out.put(None)
+
+        threads = [threading.Thread(target=worker, name=f"agentenv-episode-{i}", daemon=True)
+                   for i in range(max(1, self.cfg.concurrency))]
+        for t in threads:
+            t.start()
+        live = len(threads)
+        try:
+            while live:
+                item = out.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, Exception):
+                    raise RuntimeError(f"could not build the environment: {item}") from item
+                else:
+                    yield item
+        finally:
+            stop.set()
+
+    def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
+
+
+def run_episodes(make_env: Callable[[], gym.Env], policy, n: int, cfg: RolloutConfig, *, seed: int = 0,
+                 tasks: Iterable[Task] | None = None, progress: bool = False,
+                 on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+    """Run ``n`` episodes (seeds ``seed, seed+1, ...`` unless ``tasks`` is given) and return them in completion order."""
+    tasks = list(tasks) if tasks is not None else [Task(seed=seed + i) for i in range(n)]
+    engine = RolloutEngine(make_env, policy, cfg)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(tasks), desc="episodes", unit="ep", dynamic_ncols=True)
+    out: list[Trajectory] = []
+    try:
+        for traj in engine.run(tasks):
+            out.append(traj)
+            if on_trajectory is not None:
+                on_trajectory(traj)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(success=f"{sum(t.success for t in out) / len(out):.2f}")
+    finally:
+        engine.close()
+        if bar is not None:
+            bar.close()
+    return out
+
+
+def summarize(trajs: list[Trajectory], wall_time_s: float | None = None) -> dict:
+    """The one-line rollout summary (episodes, success rate, turns, tool calls, tokens, truncation, wall time)."""
+    n = max(1, len(trajs))
+    s = {
+        "episodes": len(trajs),
+        "success_rate": sum(t.success for t in trajs) / n,
+        "mean_reward": sum(t.reward for t in trajs) / n,
+        "mean_turns": sum(t.num_turns for t in trajs) / n,
+        "tool_calls_per_episode": sum(t.num_tool_calls for t in trajs) / n,
+        "tokens": sum(len(t.token_ids) for t in trajs),
+        "policy_tokens": sum(t.num_policy_tokens for t in trajs),
+        "truncation_rate": sum(t.truncated for t in trajs) / n,
+        "errors": sum(t.finish_reason in ("env_error", "policy_error") for t in trajs),
+    }
+    if wall_time_s is not None:
+        s["wall_time_s"] = wall_time_s
+    return s

@@ -1,0 +1,35 @@
+"""agentenv environments, registered with gymnasium under the ``agentenv/`` namespace.
+
+``gymnasium.make("agentenv/GuessNumber-v0")`` etc. Importing :mod:`agentenv` registers them; entry points are
+strings, so heavy dependencies (alfworld, the sandbox) load only when that env is made. ``ENV_ALIASES`` maps the
+short names the CLI accepts (``--env alfworld``) to ids.
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+
+from agentenv.envs.base import TextEnv, UnicodeText
+
+ENV_ALIASES: dict[str, str] = {
+    "guess": "agentenv/GuessNumber-v0",
+}
+
+
+def _register(env_id: str, entry_point: str, **kwargs) -> None:
+    if env_id not in gym.registry:
+        gym.register(id=env_id, entry_point=entry_point, disable_env_checker=True, **kwargs)
+
+
+_register("agentenv/GuessNumber-v0", "agentenv.envs.guess:GuessNumberEnv")
+
+
+def resolve_env_id(name: str) -> str:
+    env_id = ENV_ALIASES.get(name.lower(), name)
+    if env_id not in gym.registry:
+        known = ", ".join(sorted(ENV_ALIASES)) + "; ids: " + ", ".join(sorted(k for k in gym.registry if k.startswith("agentenv/")))
+        raise ValueError(f"unknown environment {name!r}. Known: {known}")
+    return env_id
+
+
+__all__ = ["TextEnv", "UnicodeText", "ENV_ALIASES", "resolve_env_id"]
