@@ -1,0 +1,465 @@
+"""ALFWorld: the real ``alfworld`` TextWorld household games as an agentenv :class:`~agentenv.envs.base.TextEnv`.
+
+Contract
+--------
+* One env instance plays one game per ``reset``. Games are loaded the way ``alfworld``'s ``AlfredTWEnv`` loads them:
+  ``textworld.start(game.tw-pddl)`` with alfworld's ``AlfredDemangler`` (object names such as ``desk 1``, no
+  shuffling) and ``AlfredInfos`` wrappers, requesting ``won`` and ``admissible_commands``.
+* Data root (a folder holding ``json_2.1.1/<split>/<task>/<trial>/game.tw-pddl`` and ``logic/``): the ``data_dir``
+  argument, else ``$ALFWORLD_DATA``, else the small sample shipped in ``envs/data/alfworld_sample``. A split missing
+  from the root is a :class:`ALFWorldDataError` that says how to get the data. Splits: ``train``, ``valid_seen``
+  (alias ``seen``, 140 games), ``valid_unseen`` (alias ``unseen``, 134 games), ``valid_train``. A split's games are
+  the ones ``AlfredTWEnv`` collects (a ``traj_data.json`` next to the game, marked solvable, no movable/sliced
+  trials), sorted by path: that sorted list is the deterministic evaluation order.
+* Game selection: ``reset(options={"game": i})`` plays the split's i-th game, ``{"game": path}`` a game by path
+  (relative to the data root, or absolute; the trial folder or its ``game.tw-pddl``). Otherwise the game is drawn
+  from ``self.np_random``, so ``reset(seed=s)`` picks the same game for the same ``s`` and split.
+* Observation: the game text (the TextWorld banner removed), then ``Admissible actions:`` and one command per line.
+  The policy answers ``<action>COMMAND</action>``, optionally after free-form reasoning; only the last such tag counts
+  (see :data:`SYSTEM_PROMPT_TEMPLATE`, returned in ``info["system"]``). A reply without a tag, or with a command
+  that is not admissible, leaves the game unchanged, is answered with an observation that says why, sets
+  ``info["invalid_action"]`` and costs a turn; the ``invalid_action_budget``-th invalid action ends the episode
+  (``terminated``, ``finish_reason="invalid_action_budget"``).
+* Reward is terminal success as in the ALFWorld paper: 1.0 on the step that wins the game (``terminated``,
+  ``info["success"]=True``), else 0.0. After ``max_turns`` steps (valid or not) without a win the episode is
+  ``truncated`` with ``finish_reason="max_turns"``; running out of turns is never success.
+* ``info`` always has ``role``, ``task`` (game path relative to the data root), ``task_type`` (one of
+  :data:`TASK_TYPES`), ``split``, ``turn``, ``invalid_actions`` (count so far), ``admissible_commands`` and
+  ``success``. With ``expert=True`` it also has ``expert_action``: the next command of the game's stored walkthrough
+  while the episode's game state is the one the walkthrough expects, else of a fresh plan from TextWorld's PDDL
+  planner (fast-downward) for the current state. :mod:`agentenv.envs.alfworld_expert` plays it.
+* :func:`evaluate` plays every game of a split ``k`` times with a :class:`~agentenv.policy.TextPolicy` and reports
+  success overall and per task type.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable
+
+from agentenv.envs.base import TextEnv
+
+DATA_ENV_VAR = "ALFWORLD_DATA"
+SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "alfworld_sample"
+GAMES_SUBDIR = "json_2.1.1"
+GAME_FILE = "game.tw-pddl"
+TRAJ_FILE = "traj_data.json"
+_ALFWORLD_DEFAULT_CACHE = Path("~/.cache/alfworld").expanduser()  # alfworld.info's default for $ALFWORLD_DATA
+_warned_sample: list = []
+log = logging.getLogger(__name__)
+
+SPLITS = {
+    "train": "train",
+    "valid_seen": "valid_seen",
+    "seen": "valid_seen",
+    "valid_unseen": "valid_unseen",
+    "unseen": "valid_unseen",
+    "valid_train": "valid_train",
+}
+
+# ALFRED's task_type (traj_data.json, task folder prefix) -> the short name recorded in info["task_type"].
+TASK_TYPES = {
+    "pick_and_place_simple": "pick_and_place",
+    "pick_clean_then_place_in_recep": "pick_clean_then_place",
+    "pick_heat_then_place_in_recep": "pick_heat_then_place",
+    "pick_cool_then_place_in_recep": "pick_cool_then_place",
+    "look_at_obj_in_light": "look_at_obj_in_light",
+    "pick_two_obj_and_place": "pick_two_obj_and_place",
+}
+
+_BANNER = "-= Welcome to TextWorld, ALFRED! =-"
+_ACTION_TAG = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
+
+SYSTEM_PROMPT_TEMPLATE = """\
+You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the list of \
+admissible actions. Reply with exactly one of those actions, copied from the list, inside an action tag, for example:
+<action>go to desk 1</action>
+You may reason before the tag; only the last <action>...</action> in your reply is used. Case and extra spaces do \
+not matter. A reply without the tag, or with an action that is not in the list, is invalid: nothing happens, it \
+costs a turn, and {budget}. You have {max_turns} turns. The episode ends as soon as the task is done."""
+
+
+class ALFWorldDataError(FileNotFoundError):
+    """The ALFWorld games asked for are not where the env looked."""
+
+
+def _how_to_get_data(what: str) -> str:
+    return (
+        f"{what}\nGet the ALFWorld games (json_2.1.1) in one of these ways, then pass data_dir=DIR or set "
+        f"${DATA_ENV_VAR}=DIR:\n"
+        f"  * online: `pip install alfworld==0.4.2 && alfworld-download` (downloads to ~/.cache/alfworld; "
+        f"DIR=~/.cache/alfworld)\n"
+        f"  * from an archive: `tar -xJf alfworld-json_2.1.1.tar.xz -C DIR`\n"
+        f"DIR must contain {GAMES_SUBDIR}/<split>/... and logic/."
+    )
+
+
+def resolve_data_root(data_dir: str | os.PathLike | None = None) -> Path:
+    """The data root to use: ``data_dir``, else ``$ALFWORLD_DATA``, else the shipped sample.
+
+    A folder that is itself ``json_2.1.1`` is accepted too (its parent is the root)."""
+    env_value = os.environ.get(DATA_ENV_VAR)
+    # Importing alfworld sets $ALFWORLD_DATA to its download cache when unset (alfworld/info.py), so that value
+    # without games in it says nothing about the user's intent.
+    if env_value and Path(env_value).expanduser() == _ALFWORLD_DEFAULT_CACHE and not (_ALFWORLD_DEFAULT_CACHE / GAMES_SUBDIR).is_dir():
+        env_value = None
+    if data_dir is not None:
+        source, root = "data_dir", Path(data_dir).expanduser()
+    elif env_value:
+        source, root = f"${DATA_ENV_VAR}", Path(env_value).expanduser()
+    else:
+        if not _warned_sample:
+            _warned_sample.append(True)
+            log.warning("ALFWorld: no data_dir and no $%s; using the 24-game sample shipped in %s", DATA_ENV_VAR, SAMPLE_DIR)
+        return SAMPLE_DIR
+    if root.name == GAMES_SUBDIR and not (root / GAMES_SUBDIR).is_dir():
+        root = root.parent
+    if not (root / GAMES_SUBDIR).is_dir():
+        raise ALFWorldDataError(_how_to_get_data(f"{source}={str(root)!r} has no {GAMES_SUBDIR}/ folder."))
+    return root.resolve()
+
+
+def canonical_split(split: str) -> str:
+    try:
+        return SPLITS[split]
+    except KeyError:
+        raise ValueError(f"unknown ALFWorld split {split!r}; expected one of {sorted(SPLITS)}") from None
+
+
+@lru_cache(maxsize=32)
+def _collect_games(root: Path, split: str) -> tuple[str, ...]:
+    # The same filter as alfworld's AlfredTWEnv.collect_game_files, so a split has its usual number of games.
+    split_dir = root / GAMES_SUBDIR / split
+    games = []
+    for game in split_dir.glob(f"*/*/{GAME_FILE}"):
+        trial = game.parent
+        if "movable" in str(trial) or "Sliced" in str(trial) or not (trial / TRAJ_FILE).is_file():
+            continue
+        with open(game) as f:
+            if not json.load(f).get("solvable", False):
+                continue
+        games.append(game.relative_to(root).as_posix())
+    return tuple(sorted(games))
+
+
+def list_games(split: str, data_dir: str | os.PathLike | None = None, task_types: Iterable[str] | None = None) -> list[str]:
+    """Games of ``split`` (paths relative to the data root, sorted), optionally only some task types (short or
+    ALFRED names). Raises :class:`ALFWorldDataError` when the split is absent or empty."""
+    root = resolve_data_root(data_dir)
+    split = canonical_split(split)
+    games = list(_collect_games(root, split))
+    if not games:
+        where = "the shipped sample" if root == SAMPLE_DIR else str(root)
+        raise ALFWorldDataError(_how_to_get_data(f"No ALFWorld games for split {split!r} in {where}."))
+    if task_types is not None:
+        wanted = {TASK_TYPES.get(t, t) for t in task_types}
+        unknown = wanted - set(TASK_TYPES.values())
+        if unknown:
+            raise ValueError(f"unknown task types {sorted(unknown)}; expected some of {sorted(TASK_TYPES.values())}")
+        games = [g for g in games if _task_type_from_path(g) in wanted]
+    return games
+
+
+def _task_type_from_path(game: str) -> str | None:
+    # Task folders are named <task_type>-<object>-<movable recep>-<parent recep>-<scene>.
+    return TASK_TYPES.get(Path(game).parent.parent.name.split("-", 1)[0])
+
+
+def parse_action(text: str) -> str | None:
+    """The command in the last ``<action>...</action>`` tag, lower-cased with whitespace collapsed and a trailing
+    period dropped; ``None`` when there is no tag or it is empty."""
+    tags = _ACTION_TAG.findall(text)
+    if not tags:
+        return None
+    command = " ".join(tags[-1].split()).lower().rstrip(".").strip()
+    return command or None
+
+
+@lru_cache(maxsize=1)
+def _install_translation_memo() -> None:
+    """Replace ``fast_downward.pddl2sas`` (process-wide, once) by a memoized, serialized version.
+
+    Why: the PDDL-to-SAS translation is ~90% of a reset and textworld runs it four times per new game (twice in
+    ``load``, twice in ``reset``) on the same inputs; its result is only read afterwards, so reusing it is exact.
+    The lock is needed even without the memo: the original writes module-global translate options and ``sys.argv``,
+    so two envs resetting on different threads (the runtime's RolloutEngine) could translate with each other's
+    options."""
+    import fast_downward
+
+    original, lock = fast_downward.pddl2sas, threading.Lock()
+
+    @lru_cache(maxsize=64)
+    def _translate(domain: str, problem: str, verbose: bool, optimize: bool):
+        return original(domain, problem, verbose=verbose, optimize=optimize)
+
+    def pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
+        with lock:
+            return _translate(domain, problem, verbose, optimize)
+
+    fast_downward.pddl2sas = pddl2sas
+
+
+def _format_commands(commands: list[str]) -> str:
+    return "Admissible actions:\n" + "\n".join(commands)
+
+
+class ALFWorldEnv(TextEnv):
+    """One ALFWorld game per episode; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        split: str = "train",
+        data_dir: str | os.PathLike | None = None,
+        max_turns: int = 50,
+        invalid_action_budget: int | None = 10,
+        task_types: Iterable[str] | None = None,
+        expert: bool = False,
+        render_mode: str | None = None,
+    ):
+        super().__init__(render_mode=render_mode)
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if invalid_action_budget is not None and invalid_action_budget < 1:
+            raise ValueError(f"invalid_action_budget must be >= 1 or None (unlimited), got {invalid_action_budget}")
+        self.split = canonical_split(split)
+        self.data_root = resolve_data_root(data_dir)
+        self.games = list_games(self.split, self.data_root, task_types)
+        self.max_turns = max_turns
+        self.invalid_action_budget = invalid_action_budget
+        self.expert = expert
+        budget = (
+            f"after {invalid_action_budget} invalid actions the episode ends"
+            if invalid_action_budget is not None
+            else "invalid actions are not otherwise limited"
+        )
+        self.system_prompt = SYSTEM_PROMPT_TEMPLATE.format(budget=budget, max_turns=max_turns)
+        self._tw_env = None  # one textworld env, reloaded per game: each one dlopens its own copy of fast-downward
+        self._loaded_game: Path | None = None
+        self._state = None
+        self._done = True
+
+    # ----------------------------------------------------------------------------------------------- game loading
+    def _textworld_env(self):
+        if self._tw_env is None:
+            import textworld
+            from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+            from textworld.envs.pddl import PddlEnv
+
+            _install_translation_memo()
+            # The walkthrough is only requested for the expert: for a game without a stored one, textworld would
+            # run the planner at every reset.
+            extras = ["gamefile", "walkthrough"] if self.expert else ["gamefile"]
+            infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=extras)
+            # What textworld.start(path, infos, wrappers) builds, minus the load: games are loaded per reset.
+            self._tw_env = AlfredInfos(AlfredDemangler(shuffle=False)(PddlEnv(infos)))
+        return self._tw_env
+
+    def _resolve_game(self, game: Any) -> Path:
+        if isinstance(game, (int,)) and not isinstance(game, bool):
+            if not -len(self.games) <= game < len(self.games):
+                raise IndexError(f"game index {game} out of range for split {self.split!r} ({len(self.games)} games)")
+            return self.data_root / self.games[game]
+        if isinstance(game, (str, os.PathLike)):
+            path = Path(game)
+            path = path if path.is_absolute() else self.data_root / path
+            if path.is_dir():
+                path = path / GAME_FILE
+            if not path.is_file():
+                raise FileNotFoundError(f"no ALFWorld game at {str(path)!r}")
+            return path.resolve()
+        raise TypeError(f'options["game"] must be a game index (int) or a path (str), got {type(game).__name__}')
+
+    def _task_name(self, path: Path) -> str:
+        try:
+            return path.relative_to(self.data_root).as_posix()
+        except ValueError:
+            return str(path)
+
+    # --------------------------------------------------------------------------------------------- gym interface
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        super().reset(seed=seed)
+        options = options or {}
+        if "game" in options:
+            path = self._resolve_game(options["game"])
+        else:
+            path = self.data_root / self.games[int(self.np_random.integers(len(self.games)))]
+        env = self._textworld_env()
+        if path != self._loaded_game:
+            self._loaded_game = None
+            env.load(str(path))
+            self._loaded_game = path
+        self._state = env.reset()
+        with open(path.parent / TRAJ_FILE) as f:
+            alfred_type = json.load(f)["task_type"]
+        if alfred_type not in TASK_TYPES:
+            raise ValueError(f"{path.parent / TRAJ_FILE}: unknown task_type {alfred_type!r}")
+        self._task = self._task_name(path)
+        self._task_type = TASK_TYPES[alfred_type]
+        self._turn = 0
+        self._invalid = 0
+        self._done = False
+        if self.expert:
+            self._plan = list(self._state["extra.walkthrough"] or [])
+            self._plan_pos = 0
+        intro = self._state.feedback.replace(_BANNER, "").strip()
+        obs = f"{intro}\n\n{_format_commands(self._state.admissible_commands)}"
+        info = self._info(success=False)
+        info["system"] = self.system_prompt
+        self._last_text = obs
+        return obs, info
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        if self._done:
+            raise RuntimeError("step() called on a finished or never-started ALFWorld episode; call reset() first")
+        if not isinstance(action, str):
+            raise TypeError(f"action must be the assistant's message text (str), got {type(action).__name__}")
+        self._turn += 1
+        commands = self._state.admissible_commands
+        command = parse_action(action)
+        invalid = command is None or command not in commands
+        if invalid:
+            self._invalid += 1
+            if command is None:
+                why = "Invalid action: your reply has no <action>...</action> tag. Nothing happens."
+            else:
+                why = f'Invalid action: "{command}" is not one of the admissible actions. Nothing happens.'
+            text = why
+        else:
+            self._play(command)
+            text = self._state.feedback.strip()
+        won = bool(self._state.won)
+        terminated = truncated = False
+        finish_reason = None
+        if won:
+            terminated, finish_reason = True, "done"
+        elif self.invalid_action_budget is not None and self._invalid >= self.invalid_action_budget:
+            terminated, finish_reason = True, "invalid_action_budget"
+            text += f" That was invalid action {self._invalid} of {self.invalid_action_budget} allowed: the episode ends."
+        elif self._turn >= self.max_turns:
+            truncated, finish_reason = True, "max_turns"
+            text += f" That was the last of {self.max_turns} turns: the episode ends."
+        self._done = terminated or truncated
+        obs = text if self._done else f"{text}\n\n{_format_commands(self._state.admissible_commands)}"
+        info = self._info(success=won)
+        info["invalid_action"] = invalid
+        if finish_reason is not None:
+            info["finish_reason"] = finish_reason
+        self._last_text = obs
+        return obs, 1.0 if won else 0.0, terminated, truncated, info
+
+    def close(self) -> None:
+        if self._tw_env is not None:
+            self._tw_env.close()
+            self._tw_env = None
+            self._loaded_game = None
+        super().close()
+
+    def _info(self, success: bool) -> dict:
+        info = {
+            "role": "user",
+            "task": self._task,
+            "task_type": self._task_type,
+            "split": self.split,
+            "turn": self._turn,
+            "invalid_actions": self._invalid,
+            "admissible_commands": list(self._state.admissible_commands),
+            "success": success,
+        }
+        if self.expert and not self._done:
+            info["expert_action"] = self._expert_action()
+        return info
+
+    # ------------------------------------------------------------------------------------------------ expert plan
+    def _pddl(self):
+        core = self._tw_env.unwrapped  # textworld's PddlEnv; _pddl_state/_entity_infos are its (pinned) internals
+        return core._pddl_state, core._entity_infos
+
+    def _play(self, command: str) -> None:
+        facts_before = None
+        if self.expert and self._plan is not None:
+            if self._plan_pos < len(self._plan) and self._plan[self._plan_pos] == command:
+                self._plan_pos += 1
+            else:
+                facts_before = set(self._pddl()[0].facts)
+        self._state, _, _ = self._tw_env.step(command)
+        # Off plan: a command that leaves the PDDL state as it was (look, inventory, examine...) keeps the plan
+        # valid; anything else drops it and the next expert_action replans from the new state.
+        if facts_before is not None and set(self._pddl()[0].facts) != facts_before:
+            self._plan = None
+
+    def _expert_action(self) -> str | None:
+        if self._plan is None or self._plan_pos >= len(self._plan):
+            pddl_state, entity_infos = self._pddl()
+            self._plan, self._plan_pos = list(pddl_state.replan(entity_infos)), 0
+        if self._plan_pos >= len(self._plan):
+            return None  # the planner found no plan from here
+        return self._plan[self._plan_pos]
+
+
+# ------------------------------------------------------------------------------------------------------ evaluation
+def evaluation_tasks(split: str, k: int = 1, data_dir: str | os.PathLike | None = None, task_types: Iterable[str] | None = None) -> list:
+    """Every game of ``split`` ``k`` times, in the split's sorted order: runtime :class:`~agentenv.runtime.Task`
+    objects with ``options={"game": index}`` and ``meta={"game": index, "sample": j}``."""
+    from agentenv.runtime import Task
+
+    if k < 1:
+        raise ValueError(f"k (samples per game) must be >= 1, got {k}")
+    n = len(list_games(split, data_dir, task_types))
+    return [Task(options={"game": i}, meta={"game": i, "sample": j}) for i in range(n) for j in range(k)]
+
+
+def success_report(trajectories: Iterable) -> dict:
+    """Success overall and per task type for trajectories of one split (anything with ``success``/``task_type``)."""
+    report: dict = {"episodes": 0, "successes": 0, "by_task_type": {}}
+    for t in trajectories:
+        for bucket in (report, report["by_task_type"].setdefault(t.task_type, {"episodes": 0, "successes": 0})):
+            bucket["episodes"] += 1
+            bucket["successes"] += int(bool(t.success))
+    for bucket in (report, *report["by_task_type"].values()):
+        bucket["success_rate"] = bucket["successes"] / bucket["episodes"] if bucket["episodes"] else 0.0
+    report["by_task_type"] = dict(sorted(report["by_task_type"].items(), key=lambda kv: str(kv[0])))
+    return report
+
+
+def evaluate(
+    policy,
+    splits: Iterable[str] = ("valid_seen", "valid_unseen"),
+    k: int = 1,
+    data_dir: str | os.PathLike | None = None,
+    max_turns: int = 50,
+    invalid_action_budget: int | None = 10,
+    concurrency: int = 1,
+    rollout_config=None,
+) -> dict:
+    """Play every game of each split ``k`` times with ``policy`` through :mod:`agentenv.runtime` and return
+    ``{split: success_report(...) + {"trajectories": [...], "wall_time_s": ...}}``.
+
+    ``policy`` is a token-level :class:`~agentenv.policy.Policy` or a :class:`~agentenv.policy.TextPolicy`; a policy
+    with an ``env_kwargs`` attribute (the expert's ``{"expert": True}``) gets those passed to the env. The runtime's
+    turn limit is set above the env's, so the env's ``max_turns`` is the one that ends episodes."""
+    import time
+
+    from agentenv.runtime import RolloutConfig, run_episodes
+
+    cfg = rollout_config or RolloutConfig()
+    cfg.max_turns, cfg.concurrency = max(cfg.max_turns, max_turns + 1), concurrency
+    env_kwargs = dict(getattr(policy, "env_kwargs", {}))
+    out = {}
+    for split in splits:
+        split = canonical_split(split)
+
+        def make_env(split=split):
+            return ALFWorldEnv(split, data_dir, max_turns=max_turns, invalid_action_budget=invalid_action_budget, **env_kwargs)
+
+        tasks = evaluation_tasks(split, k, data_dir)
+        t0 = time.perf_counter()
+        trajs = run_episodes(make_env, policy, len(tasks), cfg, tasks=tasks)
+        trajs.sort(key=lambda t: (t.meta["game"], t.meta["sample"]))  # the runtime yields in completion order
+        out[split] = {**success_report(trajs), "trajectories": trajs, "wall_time_s": time.perf_counter() - t0}
+    return out
