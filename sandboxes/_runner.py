@@ -1,0 +1,102 @@
+"""The program that runs INSIDE every sandbox (passed as ``python3 -S -I -c <this source> MODE AS CPU NPROC FSIZE``).
+
+Contract with the host (:mod:`agentenv.sandboxes.channel`):
+
+* First it lowers its own rlimits (address space, CPU, processes, file size, no core dumps) before any untrusted
+  code runs; lowered hard limits cannot be raised again by an unprivileged uid. In a session the CPU soft limit is
+  re-armed per cell (``used + cpu_s``) and the hard limit stays open, so CPU is bounded per cell only while the cell
+  leaves the soft limit alone; the host's wall timeout is the bound that cannot be undone.
+* Cells arrive on stdin as ``b"<nbytes> <nonce> <cpu_s>\\n" + source``. stdin is then pointed at /dev/null so user
+  code that reads input gets EOF instead of the protocol.
+* User code runs in a fresh ``__main__`` module; its output goes straight to the real fd 1/2 (stdout line-buffered,
+  so a cell killed by the wall timeout still shows what it printed).
+* MODE ``once``: run one cell like ``python file.py`` and exit with its status. An uncaught exception prints its
+  traceback, then ``\\0\\x1eAE<nonce>:<ExcName>\\0`` on stderr (the host strips it; it tells MemoryError apart).
+* MODE ``session``: run cells forever like notebook cells: a trailing expression is echoed via ``sys.displayhook``
+  (like the REPL), ``SystemExit`` ends only the cell. After each cell it writes ``\\0\\x1eAE<nonce>\\0`` to stderr and
+  ``\\0\\x1eAE<nonce>:<exit code>:<ExcName>\\0`` to stdout; seeing both tells the host the cell's output is complete.
+
+Only builtins and extension modules are imported up front, so start-up stays a few milliseconds.
+"""
+import os
+import sys
+
+
+def _main(argv):
+    import _ast
+    import resource as r
+
+    mode, as_bytes, cpu, nproc, fsize = argv[0], *map(int, argv[1:5])
+    once = mode == "once"
+    r.setrlimit(r.RLIMIT_CORE, (0, 0))
+    r.setrlimit(r.RLIMIT_FSIZE, (fsize, fsize))
+    r.setrlimit(r.RLIMIT_NPROC, (nproc, nproc))
+    r.setrlimit(r.RLIMIT_AS, (as_bytes, as_bytes))
+    r.setrlimit(r.RLIMIT_CPU, (cpu, cpu + 1) if once else (cpu, r.RLIM_INFINITY))
+
+    ctl = os.fdopen(os.dup(0), "rb")  # os.dup is close-on-exec: user subprocesses never see the protocol
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdout.reconfigure(line_buffering=True)
+    out, err, write, write_err = sys.stdout, sys.stderr, os.write, os.write
+    main = type(sys)("__main__")
+    main.__builtins__ = __builtins__
+    sys.modules["__main__"] = main
+    sys.argv = ["<cell>"]
+    cells = 0
+
+    def show_traceback(exc, source, filename):
+        import linecache
+        import traceback
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # drop this runner's own frame
+        traceback.print_exception(type(exc), exc, tb)
+
+    while True:
+        head = ctl.readline()
+        if not head:
+            os._exit(0)
+        n, nonce, cell_cpu = head.split()
+        source = ctl.read(int(n)).decode("utf-8", "replace")
+        cells += 1
+        filename = "<cell>" if once else f"<cell-{cells}>"
+        if not once:
+            used = r.getrusage(r.RUSAGE_SELF)
+            r.setrlimit(r.RLIMIT_CPU, (int(used.ru_utime + used.ru_stime) + int(cell_cpu), r.RLIM_INFINITY))
+        code, exc_name = 0, ""
+        try:
+            tree = compile(source, filename, "exec", _ast.PyCF_ONLY_AST)
+            last = None
+            if not once and tree.body and isinstance(tree.body[-1], _ast.Expr):
+                last = _ast.Expression(tree.body.pop().value)
+            exec(compile(tree, filename, "exec"), main.__dict__)
+            if last is not None:
+                sys.displayhook(eval(compile(last, filename, "eval"), main.__dict__))
+        except SystemExit as e:
+            if once:
+                raise
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException as e:
+            code, exc_name = 1, type(e).__name__
+            try:
+                show_traceback(e, source, filename)
+            except BaseException:  # e.g. MemoryError again while formatting: keep the name, lose the text
+                pass
+        for stream in (sys.stdout, sys.stderr, out, err):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        tag = b"\0\x1eAE" + nonce
+        if once:
+            if exc_name:
+                write_err(2, tag + b":" + exc_name.encode() + b"\0")
+            sys.exit(code)
+        write_err(2, tag + b"\0")
+        write(1, tag + b":%d:%s\0" % (code, exc_name.encode()))
+
+
+_main(sys.argv[1:])

@@ -1,0 +1,199 @@
+"""The backend-independent half of a sandbox: fresh runs, persistent sessions and how results are read.
+
+Contract:
+
+* A backend subclasses :class:`Sandbox` and implements only ``_start(mode, limits)``, returning a process handle
+  (``rfds``/``wfd``/``read``/``write``/``wait``/``kill``/``oom_killed``, see :mod:`agentenv.sandboxes.process`)
+  running :mod:`agentenv.sandboxes._runner` in ``mode`` ``"once"`` or ``"session"``.
+* ``Sandbox.run(code)`` starts a fresh process per call, runs ``code`` like ``python file.py`` and always kills the
+  whole tree before returning.
+* ``Sandbox.session()`` returns a :class:`Session`: one interpreter whose globals survive between ``run`` calls,
+  which behave like notebook cells (a trailing expression is echoed with its repr; ``sys.exit`` ends only the cell).
+  A call that times out or kills the interpreter (crash, ``os._exit``, CPU limit) kills the tree and starts a fresh
+  interpreter at once; that call's result has ``session_restarted=True``: every earlier definition is gone.
+  ``run(limits=...)`` on a session may change ``timeout_s``, ``cpu_s`` and ``max_output_bytes`` per call; the
+  process-wide limits are fixed when the interpreter starts.
+* Sessions die with ``close()``, with their sandbox's ``close()``, when garbage-collected, and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import signal
+import threading
+import time
+import weakref
+from pathlib import Path
+
+from agentenv.sandboxes.channel import Sink, pump
+from agentenv.sandboxes.limits import ExecResult, Limits
+
+RUNNER_SOURCE = (Path(__file__).parent / "_runner.py").read_text()  # run as `python -S -I -c RUNNER_SOURCE ...`
+_PER_CALL = {"timeout_s", "cpu_s", "max_output_bytes"}
+
+
+def runner_args(mode: str, limits: Limits) -> list[str]:
+    """The runner's argv after ``-c SOURCE``: mode, address space, CPU seconds, processes, largest file (bytes)."""
+    return [mode, str(limits.memory_mb << 20), str(math.ceil(limits.cpu_s)), str(limits.max_processes),
+            str(limits.max_file_mb << 20)]
+
+
+def _check_code(code) -> bytes:
+    if not isinstance(code, str):
+        raise TypeError(f"sandbox code must be str, got {type(code).__name__}")
+    return code.encode("utf-8", "surrogatepass")
+
+
+def _cell(code: str, nonce: bytes, limits: Limits) -> bytes:
+    body = _check_code(code)
+    return b"%d %s %d\n" % (len(body), nonce, math.ceil(limits.cpu_s)) + body
+
+
+def _result(out: Sink, err: Sink, code, timed_out, exc: bytes, proc, started, backend) -> ExecResult:
+    return ExecResult(
+        stdout=out.text(), stderr=err.text(), exit_code=code, timed_out=timed_out,
+        memory_exceeded=exc == b"MemoryError" or proc.oom_killed,
+        cpu_exceeded=code == 128 + signal.SIGXCPU,
+        output_truncated=bool(out.dropped or err.dropped),
+        wall_time_s=time.monotonic() - started, backend=backend)
+
+
+class Sandbox:
+    name = "?"
+    unsafe = False
+
+    def __init__(self, limits: Limits | None = None):
+        if limits is not None and not isinstance(limits, Limits):
+            raise TypeError(f"limits must be agentenv.sandboxes.Limits, got {type(limits).__name__}")
+        self.limits = limits or Limits()
+        self._sessions: weakref.WeakSet[Session] = weakref.WeakSet()
+        self.closed = False
+
+    def _start(self, mode: str, limits: Limits):
+        raise NotImplementedError
+
+    def _limits(self, limits: Limits | None) -> Limits:
+        if self.closed:
+            raise RuntimeError(f"{self.name} sandbox is closed")
+        if limits is not None and not isinstance(limits, Limits):
+            raise TypeError(f"limits must be agentenv.sandboxes.Limits, got {type(limits).__name__}")
+        return limits or self.limits
+
+    def run(self, code: str, limits: Limits | None = None) -> ExecResult:
+        limits = self._limits(limits)
+        nonce = secrets.token_hex(8).encode()
+        payload = _cell(code, nonce, limits)
+        started = time.monotonic()
+        deadline = started + limits.timeout_s
+        out, err = Sink(limits.max_output_bytes, b"\0\x1eAE" + nonce), Sink(limits.max_output_bytes, b"\0\x1eAE" + nonce)
+        proc = self._start("once", limits)
+        try:
+            state = pump(proc, payload, deadline, out, err, stop_on_markers=False)
+            code = proc.wait(deadline - time.monotonic()) if state == "eof" else None
+        finally:
+            proc.kill()  # also takes down children a subprocess-backend script left behind in its group
+        exc = err.status[1:] if err.found else b""
+        return _result(out, err, code, code is None, exc, proc, started, self.name)
+
+    def session(self, limits: Limits | None = None) -> Session:
+        s = Session(self, self._limits(limits))
+        self._sessions.add(s)
+        return s
+
+    def close(self) -> None:
+        self.closed = True
+        for s in list(self._sessions):
+            s.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _kill(proc):
+    proc.kill()
+
+
+class Session:
+    """A persistent interpreter inside one sandbox; see the module docstring for restart semantics."""
+
+    def __init__(self, sandbox: Sandbox, limits: Limits):
+        self.sandbox, self.limits = sandbox, limits
+        self.restarts = 0
+        self.calls = 0
+        self.closed = False
+        self._lock = threading.Lock()
+        self._proc = None
+        self._finalizer = None
+        self._spawn()
+
+    def _spawn(self):
+        self._proc = self.sandbox._start("session", self.limits)
+        self._finalizer = weakref.finalize(self, _kill, self._proc)  # GC or interpreter exit: no orphan
+
+    def _stop(self):
+        if self._proc is not None:
+            self._finalizer.detach()
+            self._proc.kill()
+            self._proc = None
+
+    def run(self, code: str, limits: Limits | None = None) -> ExecResult:
+        limits = limits or self.limits
+        if not isinstance(limits, Limits):
+            raise TypeError(f"limits must be agentenv.sandboxes.Limits, got {type(limits).__name__}")
+        fixed = {k for k in Limits.__dataclass_fields__ if k not in _PER_CALL
+                 and getattr(limits, k) != getattr(self.limits, k)}
+        if fixed:
+            raise ValueError(f"a session's {sorted(fixed)} are fixed when it starts; only {sorted(_PER_CALL)} "
+                             "may change per call (open a new session for other limits)")
+        nonce = secrets.token_hex(8).encode()
+        payload = _cell(code, nonce, limits)
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("session is closed")
+            if self._proc is None:
+                self._spawn()
+            self.calls += 1
+            proc = self._proc
+            started = time.monotonic()
+            deadline = started + limits.timeout_s
+            tag = b"\0\x1eAE" + nonce
+            out, err = Sink(limits.max_output_bytes, tag), Sink(limits.max_output_bytes, tag)
+            state = pump(proc, payload, deadline, out, err, stop_on_markers=True)
+            if state == "done":
+                _, code, exc = out.status.split(b":", 2) if out.status.count(b":") >= 2 else (b"", b"1", b"")
+                return _result(out, err, int(code) if code.isdigit() else 1, False, exc, proc, started,
+                               self.sandbox.name)
+            # Timed out or the interpreter died: nothing of its state can be trusted, so replace it.
+            code = None if state == "timeout" else proc.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+            self._stop()
+            self.restarts += 1
+            r = _result(out, err, code, state == "timeout", b"", proc, started, self.sandbox.name)
+            r.session_restarted = True
+            self._spawn()
+            return r
+
+    def reset(self) -> None:
+        """Throw the interpreter away and start a fresh one (all state is lost)."""
+        with self._lock:
+            self._stop()
+            if not self.closed:
+                self._spawn()
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._stop()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.wait(0) is None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

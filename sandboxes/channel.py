@@ -1,0 +1,106 @@
+"""Moving bytes between the host and a sandboxed process under a deadline, with bounded memory.
+
+Contract:
+
+* :func:`pump` writes ``payload`` to the process's stdin and reads stdout/stderr into two :class:`Sink` objects
+  until the sinks have seen their end-of-cell markers (``stop_on_markers``), or both streams reach end of file, or
+  ``deadline`` (``time.monotonic()``) passes. It returns ``"done"``, ``"eof"`` or ``"timeout"`` and never blocks
+  past the deadline, whatever the process does (it may stop reading stdin, flood output, or hang).
+* A :class:`Sink` keeps at most ``cap`` bytes and counts the rest, so an output flood costs reading time but no
+  memory. It removes the first ``tag ... \\0`` marker from the stream and keeps what follows the tag as ``status``.
+  The marker can be split across reads; user output that merely contains NUL bytes passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import select
+import time
+
+from agentenv.sandboxes.limits import TRUNCATION_MARKER
+
+_MAX_STATUS = 256
+
+
+class Sink:
+    def __init__(self, cap: int, tag: bytes):
+        self.cap, self.tag = cap, tag
+        self.kept = bytearray()
+        self.dropped = 0
+        self.pending = b""  # a tail that may be the start of the marker
+        self.found = False
+        self.status = b""
+
+    def feed(self, data: bytes) -> None:
+        buf = self.pending + data if self.pending else data
+        self.pending = b""
+        if not self.found:
+            i = buf.find(self.tag)
+            if i >= 0:
+                j = buf.find(b"\0", i + len(self.tag), i + len(self.tag) + _MAX_STATUS)
+                if j < 0 and len(buf) - i - len(self.tag) < _MAX_STATUS:
+                    self._keep(buf[:i])
+                    self.pending = buf[i:]  # the status has not fully arrived yet
+                    return
+                if j >= 0:
+                    self._keep(buf[:i])
+                    self.found, self.status = True, bytes(buf[i + len(self.tag):j])
+                    buf = buf[j + 1:]
+            elif b"\0" in buf[-len(self.tag) + 1:]:  # the tag starts with NUL: only then can a tail be its prefix
+                cut = len(buf) - len(self.tag) + 1
+                self._keep(buf[:cut])
+                self.pending = buf[cut:]
+                return
+        self._keep(buf)
+
+    def _keep(self, b: bytes) -> None:
+        room = self.cap - len(self.kept)
+        if room > 0:
+            self.kept += b[:room]
+        self.dropped += max(0, len(b) - max(room, 0))
+
+    def text(self) -> str:
+        if self.pending:
+            self._keep(self.pending)
+            self.pending = b""
+        s = self.kept.decode("utf-8", "replace")
+        return s + TRUNCATION_MARKER.format(dropped=self.dropped) if self.dropped else s
+
+
+def pump(proc, payload: bytes, deadline: float, out: Sink, err: Sink, stop_on_markers: bool) -> str:
+    """Exchange bytes with ``proc`` (a PipeProc-like handle) until done, end of file, or the deadline."""
+    pending = memoryview(payload)
+    open_fds = set(proc.rfds)
+    sinks = {1: out, 2: err}
+    masks = {fd: select.POLLIN for fd in open_fds}
+    if pending:  # docker reads and writes one socket, so masks are merged per fd
+        masks[proc.wfd] = masks.get(proc.wfd, 0) | select.POLLOUT
+    poller = select.poll()
+    for fd, mask in masks.items():
+        poller.register(fd, mask)
+    while True:
+        if stop_on_markers and out.found and err.found:
+            return "done"
+        if not open_fds:
+            return "eof"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return "timeout"
+        for fd, ev in poller.poll(left * 1000):
+            if pending and fd == proc.wfd:
+                if ev & select.POLLOUT:
+                    pending = pending[proc.write(pending):]
+                elif fd not in open_fds:  # POLLERR/POLLHUP: nobody will ever read the rest
+                    pending = pending[:0]
+                if not pending:
+                    if fd in open_fds:
+                        poller.modify(fd, select.POLLIN)
+                    else:
+                        poller.unregister(fd)
+            if fd in open_fds and ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                chunks = proc.read(fd)
+                if chunks is None:
+                    open_fds.discard(fd)
+                    poller.unregister(fd)
+                    continue
+                for stream, data in chunks:
+                    sinks[stream].feed(data)

@@ -1,0 +1,132 @@
+"""The ``docker`` backend: one container per fresh run or session, driven through the Docker SDK for Python.
+
+Each container gets ``network_mode=none``, a memory cgroup limit with no extra swap, a CPU quota (``cpus``), a pids
+limit (``Limits.max_processes``, the per-container process cap; the runner's RLIMIT_NPROC is left open here
+because without user namespaces it would count every container's processes of the same uid), a read-only root,
+a size-capped tmpfs ``/tmp`` (``Limits.disk_mb``) as the only writable place, ``no-new-privileges``, all
+capabilities dropped, an unprivileged user (65534 by default), no logging driver (output only travels over the
+attach stream, capped by the host) and an empty environment. The image is configurable and needs a ``python3``.
+
+Code and output travel over one attach socket (Docker multiplexes stdout/stderr in 8-byte-header frames, decoded
+by :func:`demux`). Killing = ``remove(force=True)``, which takes every process in the container with it.
+Containers carry the label ``agentenv.sandbox=1`` so leftovers from a crashed host can be found and removed.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from agentenv.sandboxes.base import RUNNER_SOURCE, Sandbox, runner_args
+from agentenv.sandboxes.limits import Limits
+
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
+LABEL = "agentenv.sandbox"
+
+
+def demux(buf: bytearray) -> list[tuple[int, bytes]]:
+    """Consume every complete ``[stream, 0, 0, 0, size:u32be] payload`` frame at the front of ``buf``."""
+    frames = []
+    while len(buf) >= 8:
+        stream, size = buf[0], struct.unpack(">I", buf[4:8])[0]
+        if len(buf) < 8 + size:
+            break
+        if stream in (1, 2):
+            frames.append((stream, bytes(buf[8:8 + size])))
+        del buf[:8 + size]
+    return frames
+
+
+def container_config(image: str, python: str, mode: str, limits: Limits, cpus: float, user: str) -> dict:
+    """Keyword arguments for ``client.containers.create`` (pure, so the hardening is testable without an engine)."""
+    from docker.types import LogConfig, Ulimit
+
+    args = runner_args(mode, limits.replace(max_processes=1 << 20))  # pids_limit is the process cap here
+    return dict(
+        image=image, command=[python, "-S", "-I", "-c", RUNNER_SOURCE, *args], stdin_open=True, tty=False,
+        detach=True, network_mode="none", mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
+        nano_cpus=int(cpus * 1e9), pids_limit=limits.max_processes, read_only=True,
+        tmpfs={"/tmp": f"rw,nosuid,nodev,size={limits.disk_mb}m,mode=1777"},
+        security_opt=["no-new-privileges"], cap_drop=["ALL"], user=user, working_dir="/tmp",
+        environment=dict(ENV), ulimits=[Ulimit(name="core", soft=0, hard=0)],
+        log_config=LogConfig(type="none"), labels={LABEL: "1"})
+
+
+class DockerProc:
+    """A started container behind the PipeProc interface (rfds/wfd/read/write/wait/kill/oom_killed)."""
+
+    def __init__(self, client, config: dict):
+        self.container = client.containers.create(**config)
+        try:
+            sock = self.container.attach_socket(params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
+            self.sock = getattr(sock, "_sock", sock)  # the SDK wraps the hijacked HTTP socket
+            self.sock.setblocking(False)
+            self.container.start()
+        except BaseException:
+            self.container.remove(force=True)
+            raise
+        self.rfds = [self.sock.fileno()]
+        self.wfd = self.rfds[0]
+        self._buf = bytearray()
+        self.oom_killed = False
+        self._gone = False
+
+    def read(self, fd):
+        try:
+            data = self.sock.recv(1 << 16)
+        except BlockingIOError:
+            return []
+        if not data:
+            return None
+        self._buf += data
+        return demux(self._buf)
+
+    def write(self, data) -> int:
+        try:
+            return self.sock.send(data)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            return len(data)
+
+    def wait(self, timeout):
+        try:
+            return self.container.wait(timeout=max(timeout, 0.01) if timeout is not None else None)["StatusCode"]
+        except Exception:  # the SDK raises requests' timeout/connection errors here
+            return None
+
+    def kill(self):
+        if self._gone:
+            return
+        self._gone = True
+        try:
+            self.container.reload()
+            self.oom_killed = bool(self.container.attrs["State"].get("OOMKilled"))
+        except Exception:
+            pass
+        try:
+            self.container.remove(force=True)
+        finally:
+            self.sock.close()
+
+
+class DockerSandbox(Sandbox):
+    name = "docker"
+
+    def __init__(self, limits: Limits | None = None, *, image: str = "python:3.11-slim", python: str = "python3",
+                 cpus: float = 1.0, user: str = "65534:65534", client=None):
+        super().__init__(limits)
+        try:
+            import docker
+        except ImportError:
+            raise RuntimeError("docker backend: the Docker SDK is missing; `pip install docker`") from None
+        if not cpus > 0:
+            raise ValueError(f"cpus must be > 0, got {cpus!r}")
+        try:
+            self.client = client or docker.from_env(timeout=10)
+            self.client.ping()
+        except Exception as e:
+            raise RuntimeError(f"docker backend: no Docker engine answers ({type(e).__name__}: {e})") from None
+        self.image, self.python, self.cpus, self.user = image, python, cpus, user
+
+    def _start(self, mode: str, limits: Limits) -> DockerProc:
+        return DockerProc(self.client, container_config(self.image, self.python, mode, limits, self.cpus, self.user))
