@@ -1,0 +1,244 @@
+r"""PythonToolEnv: math / reasoning tasks with one ``python`` tool whose code runs in the project's sandbox.
+
+Contract (on top of :class:`~agentenv.envs.tool_env.ToolEnv`):
+
+* One tool, ``python(code: str)``. The code runs in :mod:`agentenv.sandboxes` (``backend`` = ``"bubblewrap"`` by
+  default, ``"docker"`` or ``"subprocess"``; ``limits`` = a :class:`~agentenv.sandboxes.Limits`).
+* STATE PERSISTS WITHIN AN EPISODE (``persistent=True``, the default): all calls of one episode run in one sandboxed
+  interpreter session, so variables, imports and functions defined in call 1 exist in call 2 -- as in a notebook.
+  The session is started lazily at the first call and closed when the episode ends (final answer or turn limit),
+  on ``reset``, on ``close`` and when the env is garbage-collected; episodes never share state. If a call kills the
+  interpreter (timeout, memory), the next call gets a fresh one and the tool message says that state was lost.
+  With ``persistent=False`` every call is a fresh process (nothing carries over).
+* The tool message is the call's stdout, then its stderr (tracebacks), then markers for what went wrong: a non-zero
+  exit, a timeout, an exceeded memory / CPU limit, truncated output, a restarted interpreter. An empty output says
+  so (and reminds the model to ``print``). As in a notebook, a trailing bare expression's repr is echoed. A call that is not ``ok`` (non-zero exit or any limit hit) counts as a
+  tool error; a timeout also as a tool timeout.
+* Tasks: ``tasks=None`` uses :func:`builtin_tasks` (``num_tasks`` problems generated deterministically from
+  ``task_seed``: big products, modular powers, digit sums, sequence sums, counting, Fibonacci residues, prime
+  counts and multi-step word problems -- all with exact integer answers that are impractical to get right without
+  computing); a path loads a JSONL / Parquet file of (question, answer) rows; a list of tasks / mappings is used as
+  given. Answers are graded by :func:`agentenv.envs.grading.grade_answer` (``\boxed{}``; an integer answer must be
+  exact).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import weakref
+from typing import Any, Iterable, Mapping
+
+from agentenv.envs.tasks import Task
+from agentenv.envs.tool_env import ToolEnv
+from agentenv.envs.tools import Tool, ToolOutput
+
+SYSTEM_PROMPT = (
+    "Solve the user's math problem. You can run Python code with the `python` tool; variables you define persist "
+    "between calls in this conversation, and you see what the code prints. When you know the answer, reply without "
+    "a tool call and put the final answer in \\boxed{}."
+)
+
+PYTHON_DOC = """Run Python 3 code in a sandbox and return what it prints (stdout, then stderr).
+
+Use print() to see values; the value of a final bare expression is also shown, as in a notebook. {state} Runs are limited to {timeout:g} s and {memory} MB; there is no network.
+
+Args:
+    code: Python source code to execute.
+"""
+
+
+# --- built-in tasks -------------------------------------------------------------------------------------------------
+
+def _product(r: random.Random) -> tuple[str, int]:
+    a, b = r.randrange(10**6, 10**9), r.randrange(10**6, 10**9)
+    return f"Compute {a} * {b}.", a * b
+
+
+def _modpow(r: random.Random) -> tuple[str, int]:
+    base, exp, mod = r.randrange(2, 1000), r.randrange(10**5, 10**7), r.choice([10**9 + 7, 998244353, 1000003, 65537])
+    return f"What is {base}^{exp} mod {mod}?", pow(base, exp, mod)
+
+
+def _digit_sum(r: random.Random) -> tuple[str, int]:
+    k = r.randrange(200, 1500)
+    return f"What is the sum of the decimal digits of 2^{k}?", sum(map(int, str(2**k)))
+
+
+def _series(r: random.Random) -> tuple[str, int]:
+    n, p, d = r.randrange(500, 5000), r.choice([2, 3]), r.choice([3, 5, 7, 11])
+    power = "squares" if p == 2 else "cubes"
+    return (f"What is the sum of the {power} of all integers k from 1 to {n} that are not divisible by {d}?",
+            sum(k**p for k in range(1, n + 1) if k % d))
+
+
+def _count(r: random.Random) -> tuple[str, int]:
+    n = r.randrange(10**5, 10**6)
+    a, b, c = r.sample([3, 4, 6, 7, 9, 11, 13], 3)
+    lcm = math.lcm
+    # Inclusion-exclusion, |A u B| - |(A u B) n C| (a brute-force check of it is in the tests).
+    answer = n // a + n // b - n // lcm(a, b) - (n // lcm(a, c) + n // lcm(b, c) - n // lcm(a, b, c))
+    return f"How many integers from 1 to {n} (inclusive) are divisible by {a} or by {b}, but not by {c}?", answer
+
+
+def _fib(r: random.Random) -> tuple[str, int]:
+    n, m = r.randrange(1000, 20000), r.choice([1000, 9973, 10**6 + 3, 123457])
+    x, y = 0, 1
+    for _ in range(n):
+        x, y = y, (x + y) % m
+    return f"Let F(1) = F(2) = 1 and F(n) = F(n-1) + F(n-2). What is F({n}) mod {m}?", x
+
+
+def _primes(r: random.Random) -> tuple[str, int]:
+    n = r.randrange(10**4, 2 * 10**5)
+    sieve = bytearray([1]) * n
+    sieve[:2] = b"\x00\x00"
+    for i in range(2, int(n**0.5) + 1):
+        if sieve[i]:
+            sieve[i * i::i] = bytearray(len(range(i * i, n, i)))
+    return f"How many prime numbers are less than {n}?", sum(sieve)
+
+
+def _word(r: random.Random) -> tuple[str, int]:
+    crates, boxes, bottles = r.randrange(120, 900), r.randrange(12, 48), r.randrange(6, 30)
+    total = crates * boxes * bottles
+    days = r.randrange(20, 90)
+    per_day = r.randrange(total // (3 * days), total // days)
+    broken = r.randrange(3, 9)  # percent of the remaining bottles, rounded down
+    left = total - per_day * days
+    answer = left - left * broken // 100
+    return (f"A warehouse holds {crates} crates; each crate holds {boxes} boxes and each box holds {bottles} bottles. "
+            f"Every day {per_day} bottles are shipped out. After {days} days an inspection finds that {broken}% of the "
+            "remaining bottles (rounded down to a whole number) are broken and throws them away. How many bottles are "
+            "left?", answer)
+
+
+TASK_FAMILIES = {"product": _product, "modpow": _modpow, "digit_sum": _digit_sum, "series": _series,
+                 "count": _count, "fibonacci": _fib, "primes": _primes, "word": _word}
+
+
+def builtin_tasks(n: int = 64, seed: int = 0) -> list[Task]:
+    """``n`` tasks cycling through :data:`TASK_FAMILIES`, generated from ``seed`` (same seed, same tasks)."""
+    r = random.Random(seed)
+    families = list(TASK_FAMILIES.items())
+    tasks = []
+    for i in range(n):
+        kind, make = families[i % len(families)]
+        question, answer = make(r)
+        tasks.append(Task(question, str(answer), id=f"py-{seed}-{i}", type=kind))
+    return tasks
+
+
+# --- the sandboxed interpreter --------------------------------------------------------------------------------------
+
+class _Slot:
+    """Holds the episode's sandbox session. Kept apart from the env so a finalizer can close it without the env."""
+
+    def __init__(self) -> None:
+        self.session: Any = None
+
+    def close(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            try:
+                session.close()
+            except Exception:  # closing must never fail an episode; the sandbox reaps its own processes
+                pass
+
+
+def format_result(r: Any, limits: Any) -> str:
+    """The tool message for one :class:`~agentenv.sandboxes.ExecResult`."""
+    parts = [p for p in (r.stdout, r.stderr) if p]
+    text = "".join(p if p.endswith("\n") else p + "\n" for p in parts)
+    notes = []
+    if r.timed_out:
+        notes.append(f"[timed out after {limits.timeout_s:g} s: execution was stopped]")
+    if r.memory_exceeded:
+        notes.append(f"[memory limit exceeded ({limits.memory_mb} MB)]")
+    if getattr(r, "cpu_exceeded", False):
+        notes.append(f"[CPU time limit exceeded ({limits.cpu_s:g} s)]")
+    if r.output_truncated and "output truncated" not in text:
+        notes.append(f"[output truncated at {limits.max_output_bytes} bytes]")
+    if r.exit_code not in (0, None) and not (r.timed_out or r.memory_exceeded or getattr(r, "cpu_exceeded", False)):
+        notes.append(f"[exit code {r.exit_code}]")
+    if getattr(r, "session_restarted", False):
+        notes.append("[the interpreter was restarted: variables, imports and functions from earlier calls are lost]")
+    if not text and not notes:
+        return "(no output: use print() to see values)"
+    return (text + "\n".join(notes)).strip("\n")
+
+
+class PythonToolEnv(ToolEnv):
+    def __init__(
+        self,
+        tasks: Iterable[Task | Mapping[str, Any]] | str | os.PathLike | None = None,
+        *,
+        num_tasks: int = 64,
+        task_seed: int = 0,
+        backend: str = "bubblewrap",
+        limits: Any = None,
+        persistent: bool = True,
+        max_turns: int = 10,
+        system_prompt: str | None = SYSTEM_PROMPT,
+        render_mode: str | None = None,
+        **kwargs: Any,
+    ):
+        from agentenv.sandboxes import Limits, make_sandbox  # the sandbox loads only when this env is made
+
+        self.limits = limits if limits is not None else Limits()
+        if isinstance(self.limits, Mapping):
+            self.limits = Limits(**self.limits)  # gym.make kwargs / YAML configs pass plain dicts
+        self.backend, self.persistent = backend, persistent
+        self.sandbox = make_sandbox(backend, limits=self.limits)
+        state = ("Variables, imports and functions persist across calls within this conversation."
+                 if persistent else "Each call starts a fresh interpreter: nothing carries over between calls.")
+        doc = PYTHON_DOC.format(state=state, timeout=self.limits.timeout_s, memory=self.limits.memory_mb)
+        python = Tool.from_function(_with_doc(self._python, doc), name="python")
+        super().__init__(
+            builtin_tasks(num_tasks, task_seed) if tasks is None else tasks,
+            [python],
+            system_prompt=system_prompt,
+            max_turns=max_turns,
+            render_mode=render_mode,
+            **kwargs,
+        )
+        self._slot = _Slot()
+        # Closes the session when the env is garbage-collected (or at interpreter exit) without keeping it alive.
+        self._finalizer = weakref.finalize(self, self._slot.close)
+
+    def _python(self, code: str) -> ToolOutput:
+        if self.persistent:
+            if self._slot.session is None:
+                self._slot.session = self.sandbox.session()
+            result = self._slot.session.run(code)
+        else:
+            result = self.sandbox.run(code)
+        return ToolOutput(format_result(result, self.limits), error=not result.ok, timeout=bool(result.timed_out))
+
+    def end_episode(self) -> None:
+        slot = getattr(self, "_slot", None)  # end_episode may run from a failed __init__
+        if slot is not None:
+            slot.close()
+
+    def close(self) -> None:
+        super().close()
+        close = getattr(self.sandbox, "close", None)
+        if close is not None:
+            close()
+
+
+def _with_doc(method: Any, doc: str):
+    """A plain ``python(code)`` function with the given docstring (a bound method's doc is read-only) that calls
+    ``method`` through a weak reference, so the env's tool table does not keep the env alive (no cycle: the env and
+    its sandbox session are freed as soon as the last user reference goes)."""
+    ref = weakref.WeakMethod(method)
+
+    def python(code: str) -> ToolOutput:
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("the environment that owns this tool no longer exists")
+        return bound(code)
+
+    python.__doc__ = doc
+    return python
