@@ -195,17 +195,22 @@ class PythonToolEnv(ToolEnv):
                  if persistent else "Each call starts a fresh interpreter: nothing carries over between calls.")
         doc = PYTHON_DOC.format(state=state, timeout=self.limits.timeout_s, memory=self.limits.memory_mb)
         python = Tool.from_function(_with_doc(self._python, doc), name="python")
-        super().__init__(
-            builtin_tasks(num_tasks, task_seed) if tasks is None else tasks,
-            [python],
-            system_prompt=system_prompt,
-            max_turns=max_turns,
-            render_mode=render_mode,
-            **kwargs,
-        )
+        try:
+            super().__init__(
+                builtin_tasks(num_tasks, task_seed) if tasks is None else tasks,
+                [python],
+                system_prompt=system_prompt,
+                max_turns=max_turns,
+                render_mode=render_mode,
+                **kwargs,
+            )
+        except BaseException:
+            self.sandbox.close()  # e.g. a bad task file: do not leak the sandbox we already made
+            raise
         self._slot = _Slot()
-        # Closes the session when the env is garbage-collected (or at interpreter exit) without keeping it alive.
-        self._finalizer = weakref.finalize(self, self._slot.close)
+        # Closes the session and the sandbox (e.g. the subprocess backend's temp dir) when the env is
+        # garbage-collected or at interpreter exit, without keeping the env alive.
+        self._finalizer = weakref.finalize(self, _shutdown, self._slot, self.sandbox)
 
     def _python(self, code: str) -> ToolOutput:
         if self.persistent:
@@ -223,9 +228,12 @@ class PythonToolEnv(ToolEnv):
 
     def close(self) -> None:
         super().close()
-        close = getattr(self.sandbox, "close", None)
-        if close is not None:
-            close()
+        self._finalizer()  # runs once: closes the session and the sandbox
+
+
+def _shutdown(slot: _Slot, sandbox: Any) -> None:
+    slot.close()
+    sandbox.close()
 
 
 def _with_doc(method: Any, doc: str):

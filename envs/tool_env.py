@@ -19,7 +19,8 @@ Contract (on top of :mod:`agentenv.envs.base`):
       policy as the tool result; nothing the policy writes makes ``step`` raise.
     - Otherwise the message is the final answer: it is graded, the episode terminates, ``reward`` is the grader's
       score, ``info["success"]`` is ``score >= 1`` and ``info["tool_call_before_answer"]`` says whether any tool
-      call (successful or not) came earlier in the episode.
+      call (successful or not) came earlier in the episode; ``info["expected_answer"]`` is the reference answer
+      (given only once the episode is over).
     - After ``max_turns`` turns without a final answer the episode is truncated (reward 0, ``success`` False,
       ``finish_reason`` ``"max_turns"``): running out of turns is never success.
 * The grader is ``grader(response, task) -> float | bool``; the default is

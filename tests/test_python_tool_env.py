@@ -160,9 +160,10 @@ def test_session_closed_on_end_reset_close_and_gc(backend):
     env.step(call("1"))
     s4 = env._slot.session
     assert s4.alive
+    sandbox = env.sandbox
     del env
     gc.collect()
-    assert s4.closed and not s4.alive
+    assert s4.closed and not s4.alive and sandbox.closed
 
 
 # --- registration, check_env, runtime --------------------------------------------------------------------------------

@@ -318,6 +318,7 @@ def test_duplicate_tool_names_rejected():
         ToolEnv([{"question": "q", "answer": "a"}], [power, power])
 
 
+@pytest.mark.filterwarnings("ignore:.*alternative render modes")  # a bare env has no spec to re-make it from
 def test_check_env():
     check_env(_env())
 
