@@ -3,8 +3,8 @@
 Contract:
 
 * :func:`pump` writes ``payload`` to the process's stdin and reads stdout/stderr into two :class:`Sink` objects
-  until the sinks have seen their end-of-cell markers (``stop_on_markers``), or both streams reach end of file, or
-  ``deadline`` (``time.monotonic()``) passes. It returns ``"done"``, ``"eof"`` or ``"timeout"`` and never blocks
+  until the sinks have seen their end-of-cell markers (``stop_on_markers``), or both streams reach end of file or
+  the process exits (``proc.exit_fd``, a pidfd, if it has one), or ``deadline`` (``time.monotonic()``) passes. It returns ``"done"``, ``"eof"`` or ``"timeout"`` and never blocks
   past the deadline, whatever the process does (it may stop reading stdin, flood output, or hang).
 * A :class:`Sink` keeps at most ``cap`` bytes and counts the rest, so an output flood costs reading time but no
   memory. It removes the first ``tag ... \\0`` marker from the stream and keeps what follows the tag as ``status``.
@@ -74,6 +74,9 @@ def pump(proc, payload: bytes, deadline: float, out: Sink, err: Sink, stop_on_ma
     masks = {fd: select.POLLIN for fd in open_fds}
     if pending:  # docker reads and writes one socket, so masks are merged per fd
         masks[proc.wfd] = masks.get(proc.wfd, 0) | select.POLLOUT
+    exit_fd = getattr(proc, "exit_fd", None)  # the leader's pidfd: its exit ends the exchange
+    if exit_fd is not None:
+        masks[exit_fd] = select.POLLIN
     poller = select.poll()
     for fd, mask in masks.items():
         poller.register(fd, mask)
@@ -86,6 +89,12 @@ def pump(proc, payload: bytes, deadline: float, out: Sink, err: Sink, stop_on_ma
         if left <= 0:
             return "timeout"
         for fd, ev in poller.poll(left * 1000):
+            if fd == exit_fd:  # whatever it wrote is in the pipes by now; children still writing are cut off
+                for rfd in open_fds:
+                    while chunks := proc.read(rfd):
+                        for stream, data in chunks:
+                            sinks[stream].feed(data)
+                return "done" if stop_on_markers and out.found and err.found else "eof"
             if pending and fd == proc.wfd:
                 if ev & select.POLLOUT:
                     pending = pending[proc.write(pending):]

@@ -53,6 +53,7 @@ class PipeProc:
         self.wfd = self.popen.stdin.fileno()
         self._streams = {self.popen.stdout.fileno(): 1, self.popen.stderr.fileno(): 2}
         self.rfds = list(self._streams)
+        self.exit_fd = os.pidfd_open(self.pid)  # readable once the leader exits, even if a daemon keeps the pipes
         for fd in (self.wfd, *self.rfds):
             os.set_blocking(fd, False)
         self.oom_killed = False  # only a container engine can tell; RLIMIT_AS shows up as MemoryError instead
@@ -77,16 +78,10 @@ class PipeProc:
 
     def wait(self, timeout: float | None) -> int | None:
         """Exit code, or None if still running after ``timeout`` s (a pidfd wakes us at once, no sleep polling)."""
-        if timeout is not None and self.popen.returncode is None:
-            try:
-                fd = os.pidfd_open(self.pid)
-            except OSError:  # already reaped
-                fd = None
-            if fd is not None:
-                poller = select.poll()
-                poller.register(fd, select.POLLIN)
-                poller.poll(max(timeout, 0) * 1000)
-                os.close(fd)
+        if timeout is not None and self.popen.returncode is None and self.exit_fd is not None:
+            poller = select.poll()
+            poller.register(self.exit_fd, select.POLLIN)
+            poller.poll(max(timeout, 0) * 1000)
         try:
             return exit_code(self.popen.wait(None if timeout is None else 0))
         except subprocess.TimeoutExpired:
@@ -106,6 +101,9 @@ class PipeProc:
                 f.close()
             except OSError:
                 pass
+        if self.exit_fd is not None:
+            os.close(self.exit_fd)
+            self.exit_fd = None
         with _lock:
             _live.discard(self)
 
