@@ -238,7 +238,7 @@ def grpo_loss(
     loss = -torch.where(mask, surrogate, 0.0).sum() / n
     with torch.no_grad():
         r = ratio[mask]
-        clipped = ((r < 1 - clip_eps) | (r > 1 + clip_eps)).double().mean()
+        clipped = (surrogate < ratio * adv)[mask].double().mean()  # tokens whose objective the clip flattened
     stats = {
         "loss": loss.detach(),
         "advantages": advantages.detach(),
