@@ -270,8 +270,8 @@ class Tool:
             return "; ".join(problems) + f". Signature: {self.name}({sig})"
         return None
 
-    def __call__(self, **arguments: Any) -> Any:
-        return self.fn(**arguments)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)  # still a plain function for Python callers
 
 
 def _fmt_type(s: dict) -> str:
@@ -283,7 +283,7 @@ def _fmt_type(s: dict) -> str:
 
 def tool(fn: Callable | None = None, *, name: str | None = None, description: str | None = None):
     """Decorator: ``@tool`` or ``@tool(name=..., description=...)`` turns a function into a :class:`Tool`.
-    The result is still callable with keyword arguments."""
+    The result is still callable like the function."""
     if fn is None:
         return lambda f: Tool.from_function(f, name=name, description=description)
     return Tool.from_function(fn, name=name, description=description)
