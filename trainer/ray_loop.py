@@ -1,0 +1,209 @@
+"""Ray backend for :class:`agentenv.trainer.async_loop.Trainer`: rollout workers as Ray actors, learner on the driver.
+
+Same algorithm code path as the local backend: the driver's :class:`~agentenv.trainer.async_loop.Trainer` makes every
+decision (what to start where, batching, staleness, timeouts, accounting); this module only moves calls and data.
+
+* Each actor (:class:`RayRolloutWorker`) owns its sampler -- ``make_policy(worker_index)``: an HFPolicy on CPU here,
+  a vLLM engine on a GPU cluster (give the actor ``worker_num_gpus``) -- its envs and a
+  :class:`~agentenv.async_loop.RolloutWorker` (the same class the local backend runs), so env workers live in the
+  actor's process next to their sampler. Actors are threaded (``max_concurrency``): a long ``poll`` never blocks
+  ``submit`` / ``cancel`` / ``load_weights``.
+* Weight sync: :meth:`RayBackend.publish` does ONE ``ray.put`` of the learner's full (CPU) state dict and every actor
+  calls its policy's ``load_weights(state_dict, version)`` on it (vLLM: its weight-update API). The call returns
+  when all live actors have the new version; samplers swap weights between two generate calls (between turns).
+* Completion: one outstanding long-poll per actor; ``ray.wait`` returns whichever actor has results first.
+* Faults: an actor process that dies (``ray.kill``, OOM, segfault) surfaces as ``RayActorError`` on its poll; a
+  worker-level crash inside a live actor arrives as a ``died`` event. Either way the driver drops that worker's
+  in-flight episodes (counted), and :meth:`restart_worker` kills the old actor, starts a new one and loads the
+  current weights into it before it gets work.
+* Cluster: when Ray is not initialised, a local cluster is started with ``RAY_AUTH_MODE=disabled`` (Ray 2.60 turns
+  on token auth otherwise), ``num_cpus=cfg.ray_num_cpus`` and no dashboard, and shut down at :meth:`close`; with
+  ``cfg.ray_address`` it joins that cluster instead. :meth:`close` kills every actor it created either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+from agentenv.runtime import Batcher, RolloutConfig, Task
+
+from .async_loop import RolloutWorker, TrainConfig
+
+log = logging.getLogger("agentenv.trainer.ray")
+
+
+def init_ray(num_cpus: int | None = 2, address: str | None = None) -> bool:
+    """Start (or join) Ray unless it is already up. Returns True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    return True
+
+
+class RayRolloutWorker:
+    """Actor body (wrapped with ``ray.remote`` by :class:`RayBackend`)."""
+
+    def __init__(self, worker_id: int, make_env: Callable, make_policy: Callable, rollout_cfg: RolloutConfig):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.policy = make_policy(worker_id)
+        self.batcher = Batcher(self.policy) if hasattr(self.policy, "generate") else None
+        self.worker = RolloutWorker(worker_id, make_env, self.policy, rollout_cfg, self.batcher)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def submit(self, eid: int, task: Task) -> None:
+        self.worker.submit(eid, task)
+
+    def cancel(self, eid: int) -> None:
+        self.worker.cancel(eid)
+
+    def poll(self, timeout: float) -> list:
+        return self.worker.poll(timeout)
+
+    def load_weights(self, state_dict: dict, version: int) -> int:
+        self.worker.load_weights(state_dict, version)
+        return version
+
+    def crash(self) -> None:
+        """Fault injection from the driver: a worker-level crash inside a live actor."""
+        self.worker.kill()
+
+    def close(self) -> int:
+        left = self.worker.close()
+        if self.batcher is not None:
+            self.batcher.close()
+        return left
+
+
+class _Handle:
+    def __init__(self, actor):
+        self.actor = actor
+        self.alive = True
+        self.poll_ref = None
+
+
+class RayBackend:
+    def __init__(self, cfg: TrainConfig, make_env: Callable, make_policy: Callable):
+        import ray
+
+        self.ray = ray
+        self.cfg, self.make_env, self.make_policy = cfg, make_env, make_policy
+        self._owns_ray = init_ray(cfg.ray_num_cpus, cfg.ray_address)
+        self._cls = ray.remote(RayRolloutWorker)
+        self._weights = None  # (ObjectRef of the last published state dict, version)
+        self._dead: list = []
+        self.workers: list[_Handle] = []
+        try:
+            self.workers = [self._spawn(i) for i in range(cfg.num_workers)]
+            pids = ray.get([w.actor.ready.remote() for w in self.workers], timeout=300)
+        except BaseException:
+            self.close()
+            raise
+        log.info("ray backend: %d rollout actors up (pids %s)", len(pids), pids)
+
+    def _spawn(self, i: int) -> _Handle:
+        opts = dict(num_cpus=self.cfg.worker_num_cpus, num_gpus=self.cfg.worker_num_gpus,
+                    max_concurrency=self.cfg.concurrency + 8, max_restarts=0)
+        return _Handle(self._cls.options(**opts).remote(i, self.make_env, self.make_policy, self.cfg.rollout))
+
+    def submit(self, wid: int, eid: int, task: Task) -> None:
+        w = self.workers[wid]
+        if not w.alive:
+            raise RuntimeError(f"worker {wid} is dead")
+        w.actor.submit.remote(eid, task)  # a dead actor shows up on its poll
+
+    def cancel(self, wid: int, eid: int) -> None:
+        w = self.workers[wid]
+        if w.alive:
+            w.actor.cancel.remote(eid)
+
+    def poll(self, timeout: float) -> list:
+        ray = self.ray
+        refs = {}
+        for i, w in enumerate(self.workers):
+            if w.alive:
+                if w.poll_ref is None:
+                    w.poll_ref = w.actor.poll.remote(0.2)
+                refs[w.poll_ref] = i
+        if not refs:
+            time.sleep(timeout)
+            return []
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        if not ready:
+            return []
+        events = []
+        for ref in ready:
+            i = refs[ref]
+            w = self.workers[i]
+            w.poll_ref = None
+            try:
+                got = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
+                w.alive = False
+                events.append(("died", i, f"actor died: {type(e).__name__}"))
+                continue
+            for ev in got:
+                if ev[0] == "died":
+                    w.alive = False
+                events.append(ev)
+        return events
+
+    def publish(self, state_dict: dict, version: int) -> None:
+        ray = self.ray
+        ref = ray.put(state_dict)  # one copy in the object store, shared by every actor on a node
+        self._weights = (ref, version)
+        acks = {w.actor.load_weights.remote(ref, version): i for i, w in enumerate(self.workers) if w.alive}
+        for r, i in acks.items():
+            try:
+                ray.get(r)
+            except ray.exceptions.RayActorError:
+                self.workers[i].alive = False  # its poll reports the death; nothing else to do here
+
+    def kill_worker(self, wid: int) -> None:
+        """Fault injection: kill the actor process outright (the driver notices on its next poll)."""
+        self.ray.kill(self.workers[wid].actor, no_restart=True)
+
+    def restart_worker(self, wid: int) -> None:
+        old = self.workers[wid]
+        self._kill_quietly(old.actor)
+        w = self._spawn(wid)
+        self.ray.get(w.actor.ready.remote(), timeout=300)
+        if self._weights is not None:  # a fresh actor starts from make_policy's weights: bring it up to date
+            self.ray.get(w.actor.load_weights.remote(*self._weights))
+        self.workers[wid] = w
+
+    def _kill_quietly(self, actor) -> None:
+        try:
+            self.ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 -- already gone
+            pass
+
+    def close(self) -> dict:
+        ray = self.ray
+        left = 0
+        closes = {}
+        for w in self.workers:
+            if w.alive:
+                closes[w.actor.close.remote()] = w
+        for r in closes:
+            try:
+                left += int(ray.get(r, timeout=30))
+            except Exception:  # noqa: BLE001 -- dead or hung: it is killed below anyway
+                pass
+        for w in self.workers:
+            self._kill_quietly(w.actor)
+        self.workers = []
+        self._weights = None
+        if self._owns_ray:
+            ray.shutdown()
+        return {"leftover_threads": left}
