@@ -5,7 +5,8 @@ What each sandboxed process gets (and how):
 * New net, PID, IPC, UTS (and cgroup, where possible) namespaces: no network but a down loopback, no view of host
   processes, and ``kill -9 -1`` reaches only its own tree. ``--new-session`` (no terminal injection) and
   ``--die-with-parent``: when the host kills the outer ``bwrap`` (timeout, close, host exit or crash) the kernel
-  tears down the whole PID namespace, so nothing inside can outlive the call.
+  tears down the whole PID namespace, so nothing inside can outlive the call. The outer ``bwrap`` itself is
+  started through ``setpriv --pdeathsig KILL`` so that it, in turn, dies with the host process.
 * A filesystem made only of a read-only ``/usr`` (with the merged-usr ``/bin``, ``/lib``... links), a private
   ``/proc`` and minimal ``/dev``, and a private size-capped tmpfs ``/tmp`` (``Limits.disk_mb``) as the only
   writable place. No ``/etc``, ``/home``, ``/root`` or host ``/tmp``. The environment is replaced, not inherited.
@@ -111,9 +112,10 @@ class BubblewrapSandbox(Sandbox):
         if not self.bwrap:
             raise RuntimeError("bubblewrap backend: `bwrap` not found; install it with `apt-get install -y bubblewrap`")
         self.as_root = os.geteuid() == 0
-        self.setpriv = shutil.which("setpriv")
-        if self.as_root and not self.setpriv:
-            raise RuntimeError("bubblewrap backend: `setpriv` (util-linux) not found; it drops root inside the sandbox")
+        self.setpriv = os.path.realpath(shutil.which("setpriv") or "/nonexistent")  # used inside too: under /usr
+        if not self.setpriv.startswith("/usr/"):
+            raise RuntimeError("bubblewrap backend: `setpriv` (util-linux) not found; it ties the sandbox's life "
+                               "to this process and drops root inside the sandbox")
         self.python = python or "/usr/bin/python3"
         if not os.path.exists(self.python):
             raise RuntimeError(f"bubblewrap backend: no interpreter at {self.python}; install python3 (the system "
@@ -130,20 +132,23 @@ class BubblewrapSandbox(Sandbox):
         self.ro_binds = tuple(ro_binds)
 
     def argv(self, mode: str, limits: Limits, uid: int) -> list[str]:
-        argv = [self.bwrap, "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-                "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent", "--new-session",
-                *_mount_args()]
-        for b in self.ro_binds:
-            argv += ["--ro-bind", b, b]
-        argv += ["--proc", "/proc", "--dev", "/dev",
-                 "--perms", "1777", "--size", str(limits.disk_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+        ns = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+              "--hostname", "sandbox", "--die-with-parent", "--new-session"]
         if self.as_root:
-            argv += ["--", self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                     "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+            drop = ["--", self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+                    "--bounding-set=-all", "--no-new-privs"]
         else:
-            argv[1:1] = ["--unshare-user", "--uid", "65534", "--gid", "65534", "--cap-drop", "ALL"]
-            argv.append("--")
-        return argv + [self.python, "-S", "-I", "-c", RUNNER_SOURCE, *runner_args(mode, limits)]
+            ns = ["--unshare-user", "--uid", "65534", "--gid", "65534", "--cap-drop", "ALL", *ns]
+            drop = ["--"]
+        mounts = _mount_args()
+        for b in self.ro_binds:
+            mounts += ["--ro-bind", b, b]
+        mounts += ["--proc", "/proc", "--dev", "/dev",
+                   "--perms", "1777", "--size", str(limits.disk_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+        # bwrap 0.8's --die-with-parent covers the sandbox when bwrap dies, not bwrap when we die: setpriv's
+        # PDEATHSIG (kept across exec) makes the outer bwrap die with our spawner thread, i.e. with this process.
+        return [self.setpriv, "--pdeathsig", "KILL", "--", self.bwrap, *ns, *mounts, *drop,
+                self.python, "-S", "-I", "-c", RUNNER_SOURCE, *runner_args(mode, limits)]
 
     def _start(self, mode: str, limits: Limits) -> PipeProc:
         uid = None

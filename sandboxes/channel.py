@@ -46,7 +46,7 @@ class Sink:
                     self.found, self.status = True, bytes(buf[i + len(self.tag):j])
                     buf = buf[j + 1:]
             elif b"\0" in buf[-len(self.tag) + 1:]:  # the tag starts with NUL: only then can a tail be its prefix
-                cut = len(buf) - len(self.tag) + 1
+                cut = max(0, len(buf) - len(self.tag) + 1)
                 self._keep(buf[:cut])
                 self.pending = buf[cut:]
                 return
