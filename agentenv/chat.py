@@ -111,15 +111,19 @@ class ChatSequence:
         return ids
 
     def _dummy_delta(self, role: str, content: str) -> str:
-        """Delta for a message after an assistant turn, taken from a fixed two-message history."""
-        history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        prompt = self._render(history[:1], generation_prompt=True) + "y"
-        after = self._render(history, generation_prompt=False)
-        full = self._render(history + [{"role": role, "content": content}], generation_prompt=True)
-        if not (after.startswith(prompt) and full.startswith(after)):
-            raise TemplateNotAppendOnly("chat template is not append-only even for a fixed two-turn history")
-        # `after` continues the sampled end-of-turn token with template glue (e.g. "\n"); keep that glue.
+        """Delta for a message after an assistant turn, cut from the template's rendering of a fixed history.
+
+        The new message is rendered with a sentinel body after a dummy user/assistant exchange; the delta is
+        everything after the assistant's end-of-turn text that precedes it (the template's glue, the new block and
+        the generation prompt), with the sentinel replaced by the real content.
+        """
+        sentinel = "\u2063AGENTENV-SENTINEL\u2063"
+        history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                   {"role": role, "content": sentinel}]
+        full = self._render(history, generation_prompt=True)
         eos = self.tok.eos_token or ""
-        glue = after[len(prompt):]
-        glue = glue[len(eos):] if eos and glue.startswith(eos) else glue
-        return glue + full[len(after):]
+        at = full.find(sentinel)
+        cut = full.rfind(eos, 0, at) if eos and at >= 0 else -1
+        if at < 0 or cut < 0 or full.count(sentinel) != 1:
+            raise TemplateNotAppendOnly("cannot locate a per-message delta in this chat template's output")
+        return full[cut + len(eos):].replace(sentinel, content)

@@ -13,6 +13,14 @@ from agentenv.envs.base import TextEnv, UnicodeText
 
 ENV_ALIASES: dict[str, str] = {
     "guess": "agentenv/GuessNumber-v0",
+    "python": "agentenv/PythonTool-v0",
+    "python_tool": "agentenv/PythonTool-v0",
+    "alfworld": "agentenv/ALFWorld-v0",
+}
+
+# Scripted (non-LLM) experts usable as `--model expert`: env id -> "module:factory" returning a TextPolicy.
+EXPERTS: dict[str, str] = {
+    "agentenv/ALFWorld-v0": "agentenv.envs.alfworld_expert:ALFWorldExpert",
 }
 
 
@@ -22,6 +30,8 @@ def _register(env_id: str, entry_point: str, **kwargs) -> None:
 
 
 _register("agentenv/GuessNumber-v0", "agentenv.envs.guess:GuessNumberEnv")
+_register("agentenv/PythonTool-v0", "agentenv.envs.python_tool:PythonToolEnv")
+_register("agentenv/ALFWorld-v0", "agentenv.envs.alfworld:ALFWorldEnv")
 
 
 def resolve_env_id(name: str) -> str:
@@ -32,4 +42,4 @@ def resolve_env_id(name: str) -> str:
     return env_id
 
 
-__all__ = ["TextEnv", "UnicodeText", "ENV_ALIASES", "resolve_env_id"]
+__all__ = ["TextEnv", "UnicodeText", "ENV_ALIASES", "EXPERTS", "resolve_env_id"]

@@ -1,0 +1,94 @@
+"""transformers backend: behaviour log-probs equal an independent forward pass under the same processing."""
+
+import itertools
+
+import gymnasium as gym
+import pytest
+import torch
+
+from agentenv.policy import GenerationRequest, SamplingParams
+from agentenv.runtime import RolloutConfig, run_episodes
+
+
+def reference_logprobs(model, token_ids, temperature, top_p, top_k):
+    """Independent recomputation: ONE full-sequence forward (no KV cache, no batching, no padding), then the
+    sampler's processing written the other way round (ascending sort, drop the low tail whose mass <= 1 - top_p)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0, :-1].float() / temperature
+    if top_k > 0:
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k, dim=-1).values[:, -1:], float("-inf"))
+    if top_p < 1.0:
+        asc, order = torch.sort(logits, dim=-1)
+        tail = asc.softmax(-1).cumsum(-1) <= 1 - top_p
+        tail[:, -1] = False
+        logits = logits.masked_fill(torch.zeros_like(tail).scatter(-1, order, tail), float("-inf"))
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0].tolist()
+
+
+def _clone(policy):
+    import copy
+
+    from agentenv.hf_policy import HFPolicy
+
+    return HFPolicy(copy.deepcopy(policy.model), policy.tokenizer, name=policy.name, model_path=policy.model_path)
+
+
+@pytest.fixture(scope="module")
+def chatty_policy(tiny_policy):
+    """The tiny model with its <|im_end|> embedding row scaled up, so turns end on their own after a few tokens
+    (a random init almost never samples it). Still a real model: every log-prob comes from its forward pass."""
+    p = _clone(tiny_policy)
+    with torch.no_grad():
+        emb = p.model.get_input_embeddings().weight
+        eos = p.tokenizer.eos_token_id
+        emb[eos] = emb[eos] / emb[eos].norm() * 60.0 * emb.norm(dim=-1).mean()
+    return p
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", list(itertools.product([0.7, 1.0], [0.9, 1.0], [0, 20])))
+def test_multi_turn_behavior_logprobs_match_forward(chatty_policy, temperature, top_p, top_k):
+    cfg = RolloutConfig(max_turns=3, max_total_tokens=400, concurrency=2,
+                        sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=16))
+    trajs = run_episodes(lambda: gym.make("agentenv/GuessNumber-v0"), chatty_policy, 3, cfg, seed=7)
+    assert max(t.num_turns for t in trajs) >= 2
+    worst = 0.0
+    for t in trajs:
+        ref = reference_logprobs(chatty_policy.model, t.token_ids, temperature, top_p, top_k)
+        for pos in range(1, len(t.token_ids)):
+            if t.action_mask[pos]:
+                worst = max(worst, abs(ref[pos - 1] - t.behavior_logprobs[pos]))
+    assert worst <= 1e-4, worst
+
+
+def test_batched_requests_of_different_lengths_match_single(tiny_policy):
+    tok = tiny_policy.tokenizer
+    prompts = [tok("short", add_special_tokens=False)["input_ids"],
+               tok("a much longer prompt with many more tokens in it", add_special_tokens=False)["input_ids"]]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=5)
+    gens = tiny_policy.generate([GenerationRequest(p, sp, return_entropy=True) for p in prompts])
+    for p, g in zip(prompts, gens):
+        ref = reference_logprobs(tiny_policy.model, p + g.token_ids, 1.0, 1.0, 0)[len(p) - 1:]
+        assert max(abs(a - b) for a, b in zip(ref, g.logprobs)) <= 1e-4
+        assert len(g.entropies) == len(g.token_ids) and all(e > 0 for e in g.entropies)
+
+
+def test_load_weights_bumps_version_and_changes_outputs(tiny_policy):
+    tok = tiny_policy.tokenizer
+    prompt = tok("hello", add_special_tokens=False)["input_ids"]
+    p = _clone(tiny_policy)
+    v0 = p.policy_version
+    state = {k: v + 0.05 * torch.randn_like(v) for k, v in p.model.state_dict().items()}
+    before = p.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=3))])[0]
+    p.load_weights(state)
+    after = p.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=3))])[0]
+    assert p.policy_version == v0 + 1 and before.policy_version == v0 and after.policy_version == v0 + 1
+    ref = reference_logprobs(p.model, prompt + after.token_ids, 1.0, 1.0, 0)[len(prompt) - 1:]
+    assert max(abs(a - b) for a, b in zip(ref, after.logprobs)) <= 1e-4
+
+
+def test_bad_sampling_settings_are_clear_errors():
+    for kw, msg in (({"temperature": 0}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -1}, "top_k"),
+                    ({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": float("nan")}, "temperature")):
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**kw)
