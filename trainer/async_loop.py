@@ -297,8 +297,11 @@ class RolloutWorker:
             ep.cancel.set()
             # A hung env.step may only return once the env is closed; close it off-thread so we never block on it.
             if ep.env is not None:
-                threading.Thread(target=_close_quietly, args=(ep.env,), daemon=True,
-                                 name=f"agentenv-w{self.worker_id}-close{eid}").start()
+                t = threading.Thread(target=_close_quietly, args=(ep.env,), daemon=True,
+                                     name=f"agentenv-w{self.worker_id}-close{eid}")
+                with self._lock:
+                    self._threads.append(t)  # joined by close() like the episode threads
+                t.start()
 
     def _crash(self, reason: str) -> None:
         with self._lock:

@@ -1,0 +1,290 @@
+"""The async single-rollout loop and the sync GRPO baseline on CPU: real tiny model, real GuessNumber env, real learner.
+
+Each test checks the accounting identity (every started trajectory in exactly one bucket) and that no thread the
+loop started outlives it.
+"""
+
+import copy
+import json
+import os
+import signal
+import threading
+import time
+
+import gymnasium as gym
+import pytest
+
+from agentenv.policy import SamplingParams
+from agentenv.runtime import RolloutConfig, Task
+from agentenv.trainer.async_loop import (GymEnvFactory, PromptSampler, Trainer, TrainConfig,
+                                         WorkerCrash)
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny model and tokenizer, loaded once (from_pretrained costs seconds); tests deep-copy the weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentenv.models import resolve_model
+
+    path = resolve_model("tiny").path
+    return (AutoModelForCausalLM.from_pretrained(path, local_files_only=True),
+            AutoTokenizer.from_pretrained(path, local_files_only=True), path)
+
+
+class TinyPolicyFactory:
+    """A fresh HFPolicy over a copy of the shared tiny weights (same as HFPolicyFactory("tiny"), without reloading)."""
+
+    def __init__(self, tiny):
+        self.tiny = tiny
+
+    def __call__(self, worker_index=0):
+        from agentenv.hf_policy import HFPolicy
+
+        model, tok, path = self.tiny
+        return HFPolicy(copy.deepcopy(model), tok, name="tiny", model_path=path, seed=worker_index, device="cpu")
+
+
+def make_learner(tiny, **kw):
+    from agentenv.trainer.learner import Learner, LearnerConfig
+
+    return Learner(copy.deepcopy(tiny[0]), LearnerConfig(lr=1e-4, **kw))
+
+
+def cfg(**kw):
+    base = dict(batch_size=4, queue_size=2, num_workers=2, concurrency=2, total_updates=3, poll_interval_s=0.01,
+                rollout=RolloutConfig(max_turns=2, max_total_tokens=512, sampling=SamplingParams(max_new_tokens=8)))
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+TASKS = [Task(seed=i) for i in range(12)]
+ENV = GymEnvFactory("agentenv/GuessNumber-v0")
+
+
+def loop_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("agentenv")]
+
+
+def books_balance(s):
+    buckets = s["trained"] + s["rejected"] + s["dropped"] + s["interrupted"] + s["in_flight"] + s["queued"] + s["learning"]
+    assert s["started"] == buckets, s
+    assert s["dropped"] == sum(s[f"dropped_{r}"] for r in ("stale", "worker_crash", "env_timeout", "error"))
+
+
+def run(c, tiny, learner, tasks=TASKS, env=ENV, on_update=None):
+    tr = Trainer(c, make_env=env, make_policy=TinyPolicyFactory(tiny), learner=learner, tasks=tasks,
+                 on_update=on_update)
+    summary = tr.run()
+    return tr, summary
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def test_prompt_sampler_without_replacement_and_resumable():
+    s = PromptSampler(5, seed=3)
+    seq = [s.next() for _ in range(10)]
+    assert sorted(seq[:5]) == list(range(5)) and sorted(seq[5:]) == list(range(5))
+    assert seq[:5] != seq[5:]  # a new order each epoch (seeded)
+    a = PromptSampler(5, seed=3)
+    [a.next() for _ in range(7)]
+    b = PromptSampler(5, seed=3)
+    b.load_state_dict(a.state_dict())
+    assert [a.next() for _ in range(6)] == [b.next() for _ in range(6)] == seq[7:10] + [PromptSampler(5, 3)._perm(2)[i] for i in range(3)]
+    with pytest.raises(ValueError, match="seed"):
+        PromptSampler(5, seed=4).load_state_dict(a.state_dict())
+
+
+def test_config_errors_are_clear():
+    with pytest.raises(ValueError, match="mode"):
+        TrainConfig(mode="ppo")
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        TrainConfig(mode="sync_grpo", batch_size=6, group_size=4)
+    with pytest.raises(ValueError, match="run_dir"):
+        TrainConfig(resume=True)
+
+
+def test_async_runs_updates_measures_lag_and_writes_logs(tiny, tmp_path):
+    learner = make_learner(tiny)
+    seen = []
+    tr, s = run(cfg(queue_size=2, total_updates=4, run_dir=str(tmp_path)), tiny, learner, on_update=seen.append)
+    assert s["updates"] == 4 and learner.step == 4 and learner.policy_version == 4
+    assert [m["update"] for m in seen] == [1, 2, 3, 4]
+    for m in seen:
+        assert m["accounting_balance"] == 0
+        assert m["lag_max"] >= m["lag_mean"] >= 0
+        for k in ("reward_mean", "success_rate", "tool_calls_mean", "acceptance_rate", "traj_per_s",
+                  "learner_busy", "time_generation_s", "time_env_s", "time_learner_s", "learner_loss"):
+            assert k in m
+    # Q=2 lets the next batch be generated while the learner updates: real (measured) lag appears
+    assert max(m["lag_max"] for m in seen) > 0
+    assert seen[0]["lag_max"] == 0  # the first batch can only come from version 0
+    books_balance(s)
+    assert s["trained"] + s["rejected"] == 16 and s["leftover_threads"] == 0
+    assert loop_threads() == []
+    # logs: one metrics line per update (+ shutdown), every consumed trajectory with its versions and status
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x.get("update") for x in lines[:4]] == [1, 2, 3, 4] and lines[-1]["event"] == "shutdown"
+    from agentenv.trajectory import read_jsonl
+
+    trajs = read_jsonl(tmp_path / "trajectories.jsonl")
+    used = [t for t in trajs if t.meta["loop"]["status"] in ("trained", "rejected")]
+    assert len(used) == 16
+    for t in used:
+        lag = t.meta["loop"]["version"] - min(t.versions)
+        assert lag == t.meta["loop"]["lag_max"] and lag >= 0
+        assert all(v >= 0 for v, m in zip(t.policy_version, t.action_mask) if m)
+    assert (tmp_path / "checkpoints" / "latest").exists()
+
+
+def test_killed_worker_loses_only_its_in_flight_episodes(tiny):
+    learner = make_learner(tiny)
+    lost = {}
+    holder = {}
+
+    def on_update(m):
+        if m["update"] == 1:
+            tr = holder["tr"]
+            lost["n"] = sum(f.wid == 0 for f in tr._inflight.values())
+            tr.kill_worker(0)
+
+    tr = Trainer(cfg(total_updates=3, queue_size=2), make_env=ENV, make_policy=TinyPolicyFactory(tiny), learner=learner,
+                 tasks=TASKS, on_update=on_update)
+    holder["tr"] = tr
+    s = tr.run()
+    assert s["updates"] == 3  # training went on
+    assert s["worker_restarts"] == 1
+    assert s["dropped_worker_crash"] == lost["n"] >= 1
+    books_balance(s)
+    assert loop_threads() == []
+
+
+class CrashOnSeed(gym.Wrapper):
+    """reset() raises a BaseException that run_episode does not catch: the worker dies, as a crashed process would.
+    (reset, not step: the tiny model rarely ends a turn, and an unfinished turn ends the episode before env.step.)"""
+
+    def __init__(self, env, seeds):
+        super().__init__(env)
+        self.seeds = seeds
+
+    def reset(self, *, seed=None, options=None):
+        if seed in self.seeds:
+            raise WorkerCrash(f"simulated segfault on seed {seed}")
+        return self.env.reset(seed=seed, options=options)
+
+
+class HangOnSeed(gym.Wrapper):
+    """reset() hangs on the given seeds until the env is closed (or 60 s)."""
+
+    def __init__(self, env, seeds):
+        super().__init__(env)
+        self.seeds, self.released = seeds, threading.Event()
+
+    def reset(self, *, seed=None, options=None):
+        if seed in self.seeds:
+            self.released.wait(60)
+        return self.env.reset(seed=seed, options=options)
+
+    def close(self):
+        self.released.set()
+        return super().close()
+
+
+def test_crashing_env_takes_down_one_worker_and_the_run_goes_on(tiny):
+    learner = make_learner(tiny)
+    tasks = [Task(seed=100)] * 2 + [Task(seed=i) for i in range(10)]
+    tr, s = run(cfg(total_updates=3), tiny, learner, tasks=tasks, env=lambda: CrashOnSeed(ENV(), {100}))
+    assert s["updates"] == 3
+    assert s["worker_restarts"] >= 1 and s["dropped_worker_crash"] >= 2  # the two crashing episodes at least
+    books_balance(s)
+    assert loop_threads() == []
+
+
+def test_hanging_env_is_timed_out_and_counted(tiny):
+    learner = make_learner(tiny)
+    tasks = [Task(seed=i) for i in range(12)]
+    holder = {}
+
+    def on_update(m):
+        if m["dropped_env_timeout"] >= 1 and m["update"] >= 2:
+            holder["tr"].request_stop()
+
+    env = lambda: HangOnSeed(ENV(), {1, 5})  # noqa: E731
+    tr = Trainer(cfg(total_updates=30, episode_timeout_s=1.0), make_env=env, make_policy=TinyPolicyFactory(tiny), learner=learner,
+                 tasks=tasks, on_update=on_update)
+    holder["tr"] = tr
+    t0 = time.monotonic()
+    s = tr.run()
+    assert s["dropped_env_timeout"] >= 1 and s["updates"] >= 2
+    assert time.monotonic() - t0 < 60
+    books_balance(s)
+    assert s["leftover_threads"] == 0 and loop_threads() == []  # closing the env released the hung step
+
+
+def test_max_staleness_drops_stale_trajectories(tiny):
+    learner = make_learner(tiny)
+    seen = []
+    tr, s = run(cfg(total_updates=3, queue_size=3, max_staleness=0), tiny, learner, on_update=seen.append)
+    assert s["updates"] == 3
+    assert all(m["lag_max"] == 0 for m in seen)  # nothing older than the learner's version was trained
+    assert s["dropped_stale"] >= 1
+    books_balance(s)
+
+
+def test_sigint_stops_cleanly_and_resume_continues_step_and_data_order(tiny, tmp_path):
+    c = cfg(total_updates=10, run_dir=str(tmp_path))
+
+    def on_update(m):
+        if m["update"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does
+
+    prev = signal.getsignal(signal.SIGINT)
+    tr1, s1 = run(c, tiny, make_learner(tiny), on_update=on_update)
+    assert signal.getsignal(signal.SIGINT) is prev  # handler restored
+    assert s1["updates"] == 2 and s1["leftover_threads"] == 0 and loop_threads() == []
+    books_balance(s1)
+    from agentenv.trainer import checkpoint as ckpt
+
+    state = ckpt.load(tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text())
+    requeue = state["loop"]["sampler"]["requeue"]
+    assert len(requeue) == s1["interrupted"]  # every unfinished episode's prompt is issued again on resume
+    fresh = PromptSampler(len(TASKS), c.seed)
+    order = [fresh.next() for _ in range(200)]
+    assert tr1.issued == order[:len(tr1.issued)]
+
+    learner2 = make_learner(tiny)
+    seen = []
+    tr2 = Trainer(cfg(total_updates=4, run_dir=str(tmp_path), resume=True), make_env=ENV, make_policy=TinyPolicyFactory(tiny),
+                  learner=learner2, tasks=TASKS, on_update=seen.append)
+    assert tr2.step == 2 and learner2.step == 2 and learner2.policy_version == 2
+    s2 = tr2.run()
+    assert [m["update"] for m in seen] == [3, 4] and learner2.step == 4
+    k = len(requeue)
+    assert tr2.issued[:k] == requeue
+    assert tr2.issued[k:] == order[len(tr1.issued):len(tr1.issued) + len(tr2.issued) - k]
+    assert s2["started"] == s1["started"] + len(tr2.issued)  # the books carry over
+    books_balance(s2)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["update"] for x in lines if "update" in x] == [1, 2, 3, 4]
+
+
+def test_sync_grpo_waits_for_whole_groups(tiny, tmp_path):
+    learner = make_learner(tiny, loss="grpo")
+    seen = []
+    tr, s = run(cfg(mode="sync_grpo", batch_size=4, group_size=2, total_updates=2, run_dir=str(tmp_path)),
+                tiny, learner, on_update=seen.append)
+    assert s["updates"] == 2 and learner.step == 2
+    assert all(m["lag_max"] == 0 for m in seen)  # on-policy: nothing is generated while the learner runs
+    books_balance(s)
+    from agentenv.trajectory import read_jsonl
+
+    used = [t for t in read_jsonl(tmp_path / "trajectories.jsonl") if t.meta["loop"]["status"] == "trained"]
+    for u in (1, 2):
+        groups = {}
+        for t in used:
+            if t.meta["loop"]["update"] == u:
+                groups.setdefault(t.meta["group_id"], set()).add(t.task)
+        assert len(groups) == 2
+        assert all(len(tasks) == 1 for tasks in groups.values())  # siblings share one prompt
+    assert sum(1 for t in used) == 8
