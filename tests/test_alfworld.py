@@ -1,0 +1,283 @@
+"""ALFWorld env tests on real games: the shared json_2.1.1 archive (unpacked once to a cache dir) and the sample
+shipped in the package. Tests needing the archive skip, with the reason, when it is absent."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("alfworld", reason="alfworld is not installed (pip install 'agentenv[alfworld]')")
+
+from gymnasium.utils import seeding  # noqa: E402
+from gymnasium.utils.env_checker import check_env  # noqa: E402
+
+from agentenv.envs.alfworld import (  # noqa: E402
+    SAMPLE_DIR,
+    TASK_TYPES,
+    ALFWorldDataError,
+    ALFWorldEnv,
+    evaluate,
+    evaluation_tasks,
+    list_games,
+    parse_action,
+)
+from agentenv.envs.alfworld_expert import ALFWorldExpert  # noqa: E402
+from agentenv.runtime import RolloutConfig, Task, run_episode  # noqa: E402
+
+pytestmark = pytest.mark.alfworld
+
+REPO = Path(__file__).resolve().parents[1]
+ARCHIVE = REPO.parent / "shared" / "data" / "alfworld" / "alfworld-json_2.1.1.tar.xz"
+CACHE = Path(os.environ.get("AGENTENV_ALFWORLD_CACHE", Path.home() / ".cache" / "agentenv" / "alfworld-json_2.1.1"))
+
+# Fixed real games (from valid_unseen) reused across tests: a game loaded once is cheap to reset again.
+PICK_PLACE = "json_2.1.1/valid_unseen/pick_and_place_simple-Mug-None-Desk-308/trial_T20190909_210238_431966/game.tw-pddl"
+
+
+def unpack_archive() -> Path:
+    """The archive unpacked under CACHE (once; concurrent test processes race safely through a rename)."""
+    marker = CACHE / ".unpacked"
+    if marker.is_file():
+        return CACHE
+    if not ARCHIVE.is_file():
+        pytest.skip(f"ALFWorld archive not found at {ARCHIVE} (the shared data folder next to the repo)")
+    tmp = CACHE.parent / f".{CACHE.name}.{uuid.uuid4().hex}"
+    tmp.mkdir(parents=True)
+    try:
+        if shutil.which("tar"):
+            subprocess.run(["tar", "-xJf", str(ARCHIVE), "-C", str(tmp)], check=True)
+        else:
+            with tarfile.open(ARCHIVE) as tar:
+                tar.extractall(tmp)
+        (tmp / ".unpacked").write_text(f"{ARCHIVE} {ARCHIVE.stat().st_size}\n")
+        try:
+            tmp.rename(CACHE)
+        except OSError:  # another process got there first
+            if not marker.is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return CACHE
+
+
+@pytest.fixture(scope="module")
+def data_dir() -> Path:
+    return unpack_archive()
+
+
+@pytest.fixture(scope="module")
+def env(data_dir):
+    env = ALFWorldEnv("valid_unseen", data_dir, expert=True)
+    yield env
+    env.close()
+
+
+def play(env, actions):
+    """Step the env with raw assistant texts; return the last step's result."""
+    for a in actions:
+        result = env.step(a)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------- data location
+def test_splits_from_archive(data_dir):
+    assert len(list_games("valid_seen", data_dir)) == 140
+    assert len(list_games("unseen", data_dir)) == 134
+    assert list_games("seen", data_dir) == list_games("valid_seen", data_dir)
+    assert PICK_PLACE in list_games("valid_unseen", data_dir)
+    by_type = list_games("valid_unseen", data_dir, task_types=["pick_two_obj_and_place"])
+    assert by_type and all("pick_two_obj_and_place" in g for g in by_type)
+
+
+def test_data_dir_from_environment_variable(data_dir, monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", str(data_dir))
+    assert len(ALFWorldEnv("valid_seen").games) == 140
+
+
+def test_packaged_sample_loads_without_alfworld_data(monkeypatch):
+    monkeypatch.delenv("ALFWORLD_DATA", raising=False)
+    env = ALFWorldEnv("valid_seen")
+    assert env.data_root == SAMPLE_DIR
+    assert len(env.games) == 6 and len(list_games("train")) == 12 and len(list_games("valid_unseen")) == 6
+    assert {g.split("/")[2].split("-")[0] for g in env.games} == set(TASK_TYPES)  # one game per task type
+    obs, info = env.reset(seed=0)
+    assert "Your task is to:" in obs and info["task"] in env.games
+    env.close()
+
+
+def test_missing_data_says_how_to_get_it(tmp_path, monkeypatch):
+    with pytest.raises(ALFWorldDataError, match="alfworld-download") as e:
+        ALFWorldEnv("valid_seen", tmp_path)
+    assert "tar -xJf alfworld-json_2.1.1.tar.xz" in str(e.value) and "ALFWORLD_DATA" in str(e.value)
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "nowhere"))
+    with pytest.raises(ALFWorldDataError, match="nowhere"):
+        ALFWorldEnv("valid_seen")
+    (tmp_path / "json_2.1.1" / "valid_seen").mkdir(parents=True)
+    with pytest.raises(ALFWorldDataError, match="No ALFWorld games for split 'train'"):
+        ALFWorldEnv("train", tmp_path)
+    with pytest.raises(ValueError, match="unknown ALFWorld split"):
+        ALFWorldEnv("test", tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------ actions & limits
+def test_parse_action():
+    assert parse_action("<action>go to desk 1</action>") == "go to desk 1"
+    assert parse_action("I should look first.\n<action>  Go  To\nDesk 1. </action> trailing") == "go to desk 1"
+    assert parse_action("<action>look</action> no wait <ACTION>inventory</ACTION>") == "inventory"
+    assert parse_action("go to desk 1") is None
+    assert parse_action("<action> </action>") is None
+    assert parse_action("<action>go to desk 1") is None
+
+
+def test_reset_observation_and_info(env):
+    obs, info = env.reset(options={"game": PICK_PLACE})
+    assert obs.startswith("You are in the middle of a room") and "Welcome to TextWorld" not in obs
+    assert "\n\nYour task is to: put a mug in desk.\n\n" in obs
+    assert obs.endswith("Admissible actions:\n" + "\n".join(info["admissible_commands"]))
+    assert info["task"] == PICK_PLACE and info["task_type"] == "pick_and_place" and info["split"] == "valid_unseen"
+    assert info["role"] == "user" and "<action>" in info["system"] and "50 turns" in info["system"]
+    assert info["turn"] == 0 and info["invalid_actions"] == 0 and info["success"] is False
+    assert env.observation_space.contains(obs)
+
+
+def test_unparseable_and_inadmissible_actions_cost_a_turn(env):
+    obs0, info0 = env.reset(options={"game": PICK_PLACE})
+    obs, reward, term, trunc, info = env.step("go to desk 1")  # no tag
+    assert info["invalid_action"] and "no <action>...</action> tag" in obs
+    assert (reward, term, trunc) == (0.0, False, False)
+    assert info["turn"] == 1 and info["invalid_actions"] == 1
+    assert info["admissible_commands"] == info0["admissible_commands"]  # nothing happened in the game
+    obs, _, _, _, info = env.step("<action>fly to the moon</action>")
+    assert info["invalid_action"] and '"fly to the moon" is not one of the admissible actions' in obs
+    assert obs.endswith("\n".join(info0["admissible_commands"]))
+    assert info["turn"] == 2 and info["invalid_actions"] == 2
+    obs, _, _, _, info = env.step("Thinking... <action>Go to desk 2</action>")
+    assert not info["invalid_action"] and obs.startswith("You arrive at desk 2")
+    assert info["turn"] == 3 and info["invalid_actions"] == 2
+
+
+def test_invalid_action_budget_ends_the_episode(data_dir):
+    env = ALFWorldEnv("valid_unseen", data_dir, invalid_action_budget=2)
+    env.reset(options={"game": PICK_PLACE})
+    _, _, term, trunc, info = env.step("<action>look</action>")
+    assert not term and not info["invalid_action"]
+    _, _, term, _, info = env.step("nonsense")
+    assert not term
+    obs, reward, term, trunc, info = env.step("<action>dance</action>")
+    assert term and not trunc and reward == 0.0
+    assert info["finish_reason"] == "invalid_action_budget" and info["success"] is False
+    assert "invalid action 2 of 2" in obs
+    with pytest.raises(RuntimeError, match="call reset"):
+        env.step("<action>look</action>")
+    env.close()
+
+
+def test_turn_limit_truncates_and_is_never_success(data_dir):
+    env = ALFWorldEnv("valid_unseen", data_dir, max_turns=3, expert=True)
+    _, info = env.reset(options={"game": PICK_PLACE})
+    assert "3 turns" in info["system"]
+    for turn in (1, 2):
+        _, _, term, trunc, info = env.step(ALFWorldExpert().act([], info))
+        assert not term and not trunc
+    obs, reward, term, trunc, info = env.step("<action>look</action>")
+    assert trunc and not term and reward == 0.0
+    assert info["finish_reason"] == "max_turns" and info["success"] is False and "last of 3 turns" in obs
+    # Winning on the last allowed turn is a win, not a truncation.
+    walkthrough_len = 4
+    env = ALFWorldEnv("valid_unseen", data_dir, max_turns=walkthrough_len, expert=True)
+    _, info = env.reset(options={"game": PICK_PLACE})
+    for _ in range(walkthrough_len):
+        obs, reward, term, trunc, info = env.step(ALFWorldExpert().act([], info))
+    assert term and not trunc and reward == 1.0 and info["success"] and info["finish_reason"] == "done"
+
+
+# --------------------------------------------------------------------------------------------------------- expert
+def test_expert_wins_through_the_runtime(data_dir):
+    env = ALFWorldEnv("valid_unseen", data_dir, **ALFWorldExpert.env_kwargs)
+    traj = run_episode(env, ALFWorldExpert(), RolloutConfig(max_turns=60), Task(options={"game": PICK_PLACE}))
+    env.close()
+    assert traj.success and traj.reward == 1.0 and traj.terminated and not traj.truncated, traj.error
+    assert traj.finish_reason == "done" and traj.num_invalid_actions == 0 and traj.num_turns == 4
+    assert traj.task == PICK_PLACE and traj.task_type == "pick_and_place" and traj.model == "expert"
+    assert traj.messages[0]["role"] == "system" and traj.messages[-1]["content"].startswith("You move the mug 1")
+
+
+def test_expert_replans_after_the_episode_leaves_the_walkthrough(env):
+    _, info = env.reset(options={"game": PICK_PLACE})
+    first = info["expert_action"]
+    _, _, _, _, info = env.step("<action>look</action>")  # changes nothing: the walkthrough still holds
+    assert info["expert_action"] == first
+    detour = next(c for c in info["admissible_commands"] if c.startswith("go to") and c != first)
+    _, _, _, _, info = env.step(f"<action>{detour}</action>")
+    done = False
+    while not done:
+        _, reward, term, trunc, info = env.step(ALFWorldExpert().act([], info))
+        done = term or trunc
+    assert info["success"] and reward == 1.0
+
+
+def test_expert_needs_an_expert_env(data_dir):
+    env = ALFWorldEnv("valid_unseen", data_dir)
+    _, info = env.reset(options={"game": PICK_PLACE})
+    assert "expert_action" not in info
+    with pytest.raises(ValueError, match="expert=True"):
+        ALFWorldExpert().act([], info)
+
+
+# ------------------------------------------------------------------------------------------------ game selection
+def test_seeded_game_selection_is_reproducible(data_dir):
+    # One task type (small bedroom scenes) keeps the resets cheap; selection works the same on any game list.
+    a, b = (ALFWorldEnv("valid_seen", data_dir, task_types=["look_at_obj_in_light"]) for _ in range(2))
+    obs_a, info_a = a.reset(seed=7)
+    obs_b, info_b = b.reset(seed=7)
+    assert (obs_a, info_a["task"]) == (obs_b, info_b["task"])
+    assert a.reset()[1]["task"] == b.reset()[1]["task"]  # the unseeded draw continues the seeded stream
+    # The game is the first draw of the seeded np_random: different seeds spread over the split.
+    expected = [a.games[seeding.np_random(s)[0].integers(len(a.games))] for s in range(10)]
+    assert len(set(expected)) > 3 and a.reset(seed=7)[1]["task"] == expected[7]
+    by_index = a.reset(options={"game": 3})[1]["task"]
+    assert by_index == a.games[3]
+    assert a.reset(options={"game": str(data_dir / Path(by_index).parent)})[1]["task"] == by_index
+    with pytest.raises(IndexError, match=f"{len(a.games)} games"):
+        a.reset(options={"game": len(a.games)})
+    a.close()
+    b.close()
+
+
+def test_evaluation_order_covers_every_game_k_times(data_dir):
+    tasks = evaluation_tasks("valid_unseen", k=2, data_dir=data_dir)
+    assert len(tasks) == 268
+    assert [(t.options["game"], t.meta["sample"]) for t in tasks[:3]] == [(0, 0), (0, 1), (1, 0)]
+
+
+def test_expert_wins_every_sample_game_and_evaluate_reports_per_task_type(monkeypatch):
+    monkeypatch.delenv("ALFWORLD_DATA", raising=False)  # the shipped sample: one valid_unseen game per task type
+    report = evaluate(ALFWorldExpert(), splits=("unseen",), k=1)["valid_unseen"]
+    assert (report["episodes"], report["successes"], report["success_rate"]) == (6, 6, 1.0)
+    assert set(report["by_task_type"]) == set(TASK_TYPES.values())
+    assert all(b == {"episodes": 1, "successes": 1, "success_rate": 1.0} for b in report["by_task_type"].values())
+
+
+def test_check_env(monkeypatch):
+    # On the shipped sample's games: check_env resets several random games, and these are the cheapest real ones.
+    monkeypatch.delenv("ALFWORLD_DATA", raising=False)
+    env = ALFWorldEnv("valid_seen", expert=True, render_mode="ansi")
+    check_env(env, skip_render_check=True)
+    obs, _ = env.reset(seed=0)
+    assert env.render() == obs
+    env.close()
+
+
+# ---------------------------------------------------------------------------------------------- full expert eval
+@pytest.mark.slow
+def test_expert_wins_every_seen_and_unseen_game(data_dir):
+    results = evaluate(ALFWorldExpert(), ("valid_seen", "valid_unseen"), data_dir=data_dir, concurrency=2)
+    for split, n in (("valid_seen", 140), ("valid_unseen", 134)):
+        lost = [t.task for t in results[split]["trajectories"] if not t.success]
+        assert results[split]["successes"] == n and not lost, lost
