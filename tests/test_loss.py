@@ -51,12 +51,12 @@ def test_gradient_equals_g_hat_on_a_real_model(tiny):
     from agentenv.trainer.logprobs import token_log_probs
 
     model = tiny
-    ids = torch.tensor([[5, 17, 99, 151000, 7], [3, 8, 11, 2, 0]])
+    ids = torch.tensor([[5, 17, 99, 1000, 7], [3, 8, 11, 2, 0]])
     am = torch.ones_like(ids, dtype=torch.bool)
     mask = torch.tensor([[False, True, True, True, False], [False, False, True, True, False]])
     params = [p for p in model.parameters()]
     logp, _ = token_log_probs(model, ids, am, mask)
-    # behaviour: row 0 a little more likely than pi (admitted), row 1 sampled at p = .9 where pi ~ 1/V (rejected)
+    # behaviour: row 0 a little more likely than pi (admitted), row 1 sampled at p = .9 where pi ~ 1/1024 (rejected)
     off = torch.tensor([[0, .01, .02, .005, 0], [0, 0, 0, 0, 0]], dtype=logp.dtype)
     mu = torch.where(mask, logp.detach() - off, 0.0)
     mu[1, 2:4] = math.log(0.9)
@@ -358,7 +358,9 @@ def test_valid_base_case_runs():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from agentenv.tiny import TinyConfig, tiny_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    return tiny_model(TinyConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                 intermediate_size=32, seed=3)).double()
+    torch.manual_seed(3)
+    cfg = Qwen2Config(vocab_size=1024, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=32, max_position_embeddings=64, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg).double().eval()

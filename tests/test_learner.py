@@ -1,0 +1,305 @@
+"""The Learner on the tiny Qwen2 model (real 151,665 vocab): stats, one step per fresh batch, micro-batch
+equivalence, checkpoint/resume, schedules, weight export, and batching."""
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+
+from agentenv.tiny import QWEN25_VOCAB_SIZE, TinyConfig, tiny_model
+from agentenv.trajectory import Trajectory
+from agentenv.trainer import Learner, LearnerConfig, collate, microbatches, token_log_probs
+from agentenv.trainer import checkpoint as ckpt
+from agentenv.trainer.schedule import Schedule, constant, cosine_with_min_lr
+
+
+SHAPE = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32)
+
+
+@pytest.fixture(scope="module")
+def real_vocab():
+    """The built-in tiny model: real Qwen2.5 vocabulary (151,665), small body."""
+    return tiny_model(TinyConfig(**SHAPE, seed=2))
+
+
+@pytest.fixture(scope="module")
+def base():
+    """The same Qwen2 architecture with a 2,048-token vocabulary, for tests whose point is not the vocabulary size
+    (keeps the suite fast on a shared 2-core machine)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(2)
+    cfg = Qwen2Config(vocab_size=2048, max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0, **SHAPE)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def make_trajectories(model, n, seed, *, drift=0.02, with_ids=True):
+    """Multi-turn-shaped trajectories: a prompt, then sampled turns separated by observation tokens. Behaviour
+    log-probs are the model's own, perturbed by ``drift`` (a slightly stale sampler)."""
+    rng = random.Random(seed)
+    trajs = []
+    for i in range(n):
+        length = rng.randint(8, 28)
+        ids = [rng.randrange(model.config.vocab_size) for _ in range(length)]
+        mask, t = [False] * length, rng.randint(2, 4)
+        while t < length:  # alternate sampled turns and observations
+            turn = rng.randint(2, 6)
+            for j in range(t, min(length, t + turn)):
+                mask[j] = True
+            t += turn + rng.randint(1, 4)
+        reward = rng.choice([0.0, 1.0, 0.5])
+        trajs.append(Trajectory(token_ids=ids, action_mask=mask, behavior_logprobs=[0.0] * length,
+                                policy_version=[0 if m else -1 for m in mask], reward=reward, success=reward == 1.0,
+                                task=f"task{i % 3}", id=f"traj-{seed}-{i}" if with_ids else ""))
+    batch = collate(trajs)
+    with torch.no_grad():
+        lp, _ = token_log_probs(model, batch.input_ids, batch.attention_mask, batch.action_mask)
+    for i, traj in enumerate(trajs):
+        traj.behavior_logprobs = [min(0.0, float(lp[i, j]) + drift * rng.uniform(-1, 1)) if m else 0.0
+                                  for j, m in enumerate(traj.action_mask)]
+    return trajs
+
+
+def params_of(learner):
+    return [p.detach().clone() for p in learner.model.parameters()]
+
+
+def capture_grads(learner):
+    grads = []
+    learner.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: grads.append([p.grad.clone() for g in opt.param_groups for p in g["params"]]))
+    return grads
+
+
+STAT_KEYS = {"loss", "adv_mean", "adv_std", "acceptance_rate", "num_admitted", "seq_kl_mean", "seq_kl_max",
+             "ratio_mean", "ratio_max", "ratio_min", "policy_tokens", "retained_tokens", "grad_norm", "lr", "step",
+             "policy_version", "num_trajectories", "num_microbatches", "learner_time_s", "reward_mean",
+             "policy_lag_mean", "policy_lag_max"}
+
+
+def test_update_reports_stats_steps_once_and_bumps_the_version(real_vocab):
+    base = real_vocab
+    learner = Learner(copy.deepcopy(base), LearnerConfig(compute_entropy=True))
+    trajs = make_trajectories(base, 6, seed=0)
+    before = params_of(learner)
+    stats = learner.update(trajs)
+    assert STAT_KEYS | {"entropy_mean"} <= set(stats)
+    assert stats["step"] == stats["policy_version"] == learner.step == learner.policy_version == 1
+    assert stats["num_trajectories"] == 6 and stats["num_microbatches"] == 1
+    assert stats["policy_tokens"] == sum(t.num_policy_tokens for t in trajs) == stats["retained_tokens"]
+    assert stats["acceptance_rate"] == 1.0 and 0 < stats["seq_kl_max"] < 3e-3
+    assert stats["lr"] == 1e-6 and stats["grad_norm"] > 0 and stats["learner_time_s"] > 0
+    assert abs(stats["adv_mean"]) < 1e-6 and stats["adv_std"] > 0  # float32 advantages
+    assert 0.9 < stats["ratio_min"] <= stats["ratio_mean"] <= stats["ratio_max"] < 1.1
+    assert 11 < stats["entropy_mean"] < math.log(QWEN25_VOCAB_SIZE) + 1e-3  # near-uniform fresh model
+    assert all(isinstance(v, (int, float)) for v in stats.values())
+    after = params_of(learner)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))
+    learner.update(make_trajectories(base, 3, seed=1))
+    assert learner.step == learner.policy_version == 2
+
+
+def test_a_trajectory_is_never_used_twice(base):
+    learner = Learner(copy.deepcopy(base))
+    first = make_trajectories(base, 3, seed=0)
+    learner.update(first)
+    snapshot = params_of(learner)
+    fresh = make_trajectories(base, 3, seed=1)
+    for bad in (first, fresh[:2] + first[:1], fresh + fresh[:1]):
+        with pytest.raises(ValueError, match="already used"):
+            learner.update(bad)
+    assert learner.step == 1 and all(torch.equal(a, b) for a, b in zip(snapshot, params_of(learner)))
+    learner.update(fresh)  # still fresh: the refusals above consumed nothing
+    # without ids, the content identifies a trajectory
+    anon = make_trajectories(base, 2, seed=2, with_ids=False)
+    learner.update(anon)
+    with pytest.raises(ValueError, match="already used"):
+        learner.update([copy.deepcopy(anon[0])])
+
+
+@pytest.mark.parametrize("overrides, vocab", [
+    ({}, "real"),
+    ({"negative_token_fraction": 0.5, "token_mean": True, "no_is": True}, "small"),
+    ({"loss": "grpo"}, "small"),
+])
+def test_micro_batched_update_equals_the_full_batch_update(base, real_vocab, overrides, vocab):
+    base = real_vocab if vocab == "real" else base
+    trajs = make_trajectories(base, 6, seed=3, drift=0.05)
+    results = []
+    for budget in (None, 50):
+        cfg = LearnerConfig(lr=1e-3, max_tokens_per_microbatch=budget, **overrides)
+        learner = Learner(copy.deepcopy(base), cfg)
+        grads = capture_grads(learner)
+        stats = learner.update(trajs)
+        results.append((stats, grads[0], params_of(learner)))
+    (full_stats, full_grads, full_params), (mb_stats, mb_grads, mb_params) = results
+    assert mb_stats["num_microbatches"] > 2 and full_stats["num_microbatches"] == 1
+    for a, b in zip(mb_grads, full_grads):  # float32: the tied embedding's gradient sums 151,665-wide softmaxes
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    for a, b in zip(mb_params, full_params):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for k in ("loss", "grad_norm", "ratio_mean", "retained_tokens", "policy_tokens", "adv_std"):
+        assert mb_stats[k] == pytest.approx(full_stats[k], rel=1e-5, abs=1e-7), k
+
+
+def test_gradient_checkpointing_gives_the_same_update(base):
+    trajs = make_trajectories(base, 4, seed=4)
+    out = []
+    for gc in (False, True):
+        learner = Learner(copy.deepcopy(base), LearnerConfig(lr=1e-3, gradient_checkpointing=gc))
+        stats = learner.update(trajs)
+        out.append((stats["grad_norm"], params_of(learner)))
+    assert out[0][0] == pytest.approx(out[1][0], rel=1e-6)
+    for a, b in zip(out[0][1], out[1][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_all_rejected_batch_gives_zero_gradient(base):
+    trajs = make_trajectories(base, 3, seed=5)
+    for t in trajs:  # the sampler was sure of every token; the learner's policy is near-uniform: huge drift
+        t.behavior_logprobs = [-0.01 if m else 0.0 for m in t.action_mask]
+    learner = Learner(copy.deepcopy(base))
+    stats = learner.update(trajs)
+    assert stats["acceptance_rate"] == 0.0 and stats["retained_tokens"] == 0 and stats["grad_norm"] == 0.0
+    assert math.isnan(stats["ratio_mean"])
+    # the no_trust ablation admits them, and the importance ratio pi/mu ~ 1e-5 shows it
+    stats = Learner(copy.deepcopy(base), LearnerConfig(no_trust=True)).update(trajs)
+    assert stats["acceptance_rate"] == 1.0 and stats["ratio_max"] < 1e-2
+
+
+def test_failure_filter_in_the_learner(base):
+    trajs = make_trajectories(base, 6, seed=6)
+    assert any(not t.success for t in trajs)
+    stats = Learner(copy.deepcopy(base), LearnerConfig(negative_token_fraction=0.25)).update(trajs)
+    want = sum(t.num_policy_tokens if t.success else math.ceil(0.25 * t.num_policy_tokens) for t in trajs)
+    assert stats["retained_tokens"] == want < stats["policy_tokens"]
+    assert "entropy_mean" in stats
+
+
+# --- checkpoint / resume ------------------------------------------------------------------------------------------
+
+
+def test_resume_gives_the_same_next_update_bitwise(base, tmp_path):
+    cfg = LearnerConfig(lr=1e-3, schedule="cosine", total_steps=5, warmup_ratio=0.4)
+    b1, b2 = make_trajectories(base, 4, seed=7), make_trajectories(base, 4, seed=8)
+    a = Learner(copy.deepcopy(base), cfg)
+    a.update(b1)
+    path = tmp_path / "ckpt" / "learner.pt"
+    a.save(path)
+    draw_after_save = torch.rand(4)
+    stats_a = a.update(b2)
+
+    other = copy.deepcopy(base)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.normal_()  # different weights: everything must come from the checkpoint
+    b = Learner(other, cfg)
+    b.load(path)
+    assert torch.equal(torch.rand(4), draw_after_save)  # RNG restored
+    assert (b.step, b.policy_version) == (1, 1)
+    stats_b = b.update(b2)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb)
+    for k in set(stats_a) - {"learner_time_s"}:
+        assert stats_a[k] == stats_b[k] or (math.isnan(stats_a[k]) and math.isnan(stats_b[k])), k
+    assert stats_b["lr"] == pytest.approx(1e-3 * cfg.lr_schedule()(1))  # the schedule resumed at step 1
+    with pytest.raises(ValueError, match="already used"):
+        b.update(b1)  # the consumed set survives the checkpoint
+    assert [p.name for p in path.parent.iterdir()] == ["learner.pt"]  # no temp file left behind
+
+
+def test_atomic_save_never_leaves_a_partial_file(tmp_path):
+    path = tmp_path / "x.pt"
+    ckpt.atomic_save({"v": torch.arange(3)}, path)
+    with pytest.raises(Exception):
+        ckpt.atomic_save({"v": torch.arange(5), "bad": lambda: 0}, path)  # pickling fails half-way through
+    assert torch.equal(ckpt.load(path)["v"], torch.arange(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["x.pt"]
+
+
+# --- schedules ----------------------------------------------------------------------------------------------------
+
+
+def test_schedules():
+    assert [constant()(s) for s in (0, 5, 10**6)] == [1.0, 1.0, 1.0]
+    cos = cosine_with_min_lr(100)  # warmup round(3.0) = 3 updates
+    assert cos.warmup_steps == 3
+    assert [cos(s) for s in range(4)] == [1 / 3, 2 / 3, 1.0, 1.0]
+    assert cos(99) == pytest.approx(0.1) and cos(500) == pytest.approx(0.1)
+    mid = 3 + (99 - 3) / 2
+    assert cos(int(mid)) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (int(mid) - 3) / 96)))
+    values = [cos(s) for s in range(3, 100)]
+    assert all(x >= y for x, y in zip(values, values[1:]))
+    with pytest.raises(ValueError, match="total_steps"):
+        Schedule("cosine")
+    with pytest.raises(ValueError, match="unknown schedule"):
+        Schedule("linear")
+    with pytest.raises(ValueError, match="loss must be"):
+        LearnerConfig(loss="ppo")
+
+
+# --- weights for rollout workers ----------------------------------------------------------------------------------
+
+
+def test_export_weights_is_an_independent_copy_that_reloads(base):
+    learner = Learner(copy.deepcopy(base))
+    weights = learner.export_weights()
+    assert set(weights) == set(learner.model.state_dict())
+    first = {k: v.clone() for k, v in weights.items()}
+    learner.update(make_trajectories(base, 3, seed=9))
+    assert all(torch.equal(weights[k], first[k]) for k in weights)  # the copy did not move with the model
+    fresh = copy.deepcopy(base)
+    fresh.load_state_dict(learner.export_weights())
+    ids = torch.tensor([[1, 2, 3, 2047]])
+    assert torch.equal(fresh(input_ids=ids).logits, learner.model.eval()(input_ids=ids).logits)
+    names = [n for n, _ in learner.named_weights()]
+    assert names == [n for n, _ in learner.model.named_parameters()]
+
+
+# --- batching -----------------------------------------------------------------------------------------------------
+
+
+def test_collate_pads_and_flags_failures():
+    t1 = Trajectory(token_ids=[5, 6, 7], action_mask=[False, True, True], behavior_logprobs=[0.0, -1.0, -2.0],
+                    policy_version=[-1, 0, 0], reward=1.0, success=True, task="a", id="1")
+    t2 = Trajectory(token_ids=[8, 9], action_mask=[False, True], behavior_logprobs=[0.0, -0.5],
+                    policy_version=[-1, 0], reward=0.4, success=False, task="b", id="2", meta={"group_id": "g"})
+    b = collate([t1, t2], pad_token_id=151643)
+    assert b.input_ids.tolist() == [[5, 6, 7], [8, 9, 151643]]
+    assert b.attention_mask.tolist() == [[True] * 3, [True, True, False]]
+    assert b.action_mask.tolist() == [[False, True, True], [False, True, False]]
+    assert b.behavior_log_probs.tolist() == [[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]]
+    assert b.failures.tolist() == [False, True] and b.group_ids == ["a", "g"] and b.ids == ["1", "2"]
+    assert collate([t1, t2], failure_threshold=0.5).failures.tolist() == [False, True]
+    assert collate([t1, t2], failure_threshold=0.3).failures.tolist() == [False, False]
+    bad = copy.deepcopy(t2)
+    bad.action_mask = [True, True]
+    bad.behavior_logprobs = [-0.1, -0.5]
+    bad.policy_version = [0, 0]
+    with pytest.raises(ValueError, match="first token"):
+        collate([bad])
+    bad.action_mask, bad.behavior_logprobs, bad.policy_version = [False, False], [0.0, 0.0], [-1, -1]
+    with pytest.raises(ValueError, match="no policy token"):
+        collate([bad])
+    with pytest.raises(ValueError, match="empty"):
+        collate([])
+    with pytest.raises(ValueError, match="trajectory 0"):
+        collate([Trajectory(token_ids=[1, 2], action_mask=[False, True], behavior_logprobs=[0.0, 0.5],
+                            policy_version=[-1, 0])])
+
+
+def test_microbatches_cover_every_row_once_within_budget(base):
+    batch = collate(make_trajectories(base, 9, seed=10))
+    lengths = batch.lengths.tolist()
+    for budget in (1, 30, 60, 10**6):
+        groups = microbatches(batch, budget)
+        rows = sorted(r for g, _ in groups for r in g)
+        assert rows == list(range(9))
+        for g, mb in groups:
+            width = max(lengths[r] for r in g)
+            assert mb.input_ids.shape == (len(g), width)
+            assert len(g) == 1 or len(g) * width <= budget
+            assert torch.equal(mb.action_mask, batch.action_mask[g, :width])
+    assert len(microbatches(batch, 10**6)) == 1 and len(microbatches(batch, 1)) == 9
