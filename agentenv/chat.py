@@ -10,7 +10,9 @@
   glue after the assistant's end-of-turn token and the next generation prompt), mask False.
 
 Deltas are computed from the real history: the template is rendered with and without the new message and the
-earlier rendering must be an exact prefix of the later one ("append-only"). If a template is not append-only (it
+earlier rendering must be an exact prefix of the later one ("append-only"). Once the first ``VERIFY_TURNS`` deltas of
+a role in an episode equal the delta cut from a fixed two-message history, later deltas of that role are cut from
+that short history, so the cost of a turn does not grow with the conversation. If a template is not append-only (it
 rewrites earlier turns, e.g. strips reasoning from old assistant messages), ``on_rewrite="error"`` raises
 :class:`TemplateNotAppendOnly`; ``on_rewrite="segment"`` appends the delta the template gives for a new message after
 a fixed dummy history, records the offset in ``segments`` and carries on, so that the tokens stay exactly what the
@@ -22,6 +24,9 @@ from __future__ import annotations
 from typing import Literal
 
 from agentenv.policy import Generation
+
+
+VERIFY_TURNS = 2  # turns per role whose delta is checked against the full history before trusting local deltas
 
 
 class TemplateNotAppendOnly(RuntimeError):
@@ -41,7 +46,8 @@ class ChatSequence:
         self.segments: list[int] = [0]
         self.messages: list[dict] = []
         self.tools: list[dict] | None = None
-        self._covered = ""  # the text the token sequence stands for, as the template renders it
+        self._parts: list[str] = []  # the text the token sequence stands for, in pieces (joined only when checked)
+        self._verified: dict[str, int] = {}
 
     # --- rendering ------------------------------------------------------------------------------------------------
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
@@ -67,8 +73,9 @@ class ChatSequence:
             raise RuntimeError("ChatSequence.start called twice")
         self.tools = tools or None
         self.messages = [dict(m) for m in messages]
-        self._covered = self._render(self.messages, generation_prompt=True)
-        self._append(self._encode(self._covered), sampled=False)
+        prompt = self._render(self.messages, generation_prompt=True)
+        self._parts = [prompt]
+        self._append(self._encode(prompt), sampled=False)
         return self.token_ids
 
     def add_sampled(self, gen: Generation) -> str:
@@ -78,36 +85,48 @@ class ChatSequence:
         body = ids[:-1] if gen.stop_reason == "stop" and ids else ids
         content = self.tok.decode(body, skip_special_tokens=False)
         self.messages.append({"role": "assistant", "content": content})
-        self._covered += self.tok.decode(ids, skip_special_tokens=False)
+        self._parts.append(self.tok.decode(ids, skip_special_tokens=False))
         return content
 
     def delta_for(self, role: str, content: str) -> tuple[list[int], str]:
-        """The tokens that adding this message (and the next generation prompt) would append; does not mutate."""
+        """The tokens that adding this message (and the next generation prompt) would append, and how they were
+        derived: ``"checked"`` (rendered against the real history), ``"local"`` (cut from a fixed short history,
+        after the first :data:`VERIFY_TURNS` turns of this role proved both give the same text, so per-turn cost
+        does not grow with the history) or ``"segment"``. Does not mutate the sequence."""
+        if self._verified.get(role, 0) >= VERIFY_TURNS:
+            return self._encode(self._dummy_delta(role, content)), "local"
         new = self.messages + [{"role": role, "content": content}]
         full = self._render(new, generation_prompt=True)
         before = self._render(self.messages, generation_prompt=False)
-        if before.startswith(self._covered) and full.startswith(before):
-            text = full[len(self._covered):]
-            return self._encode(text), full
+        covered = "".join(self._parts)
+        if before.startswith(covered) and full.startswith(before):
+            return self._encode(full[len(covered):]), "checked"
         if self.on_rewrite == "error":
             raise TemplateNotAppendOnly(
                 "the chat template re-renders earlier turns differently once a new message is added, so its output is "
                 "not append-only for this model; agentenv will not re-tokenize history. Use on_rewrite='segment' to "
                 "append per-message deltas and record a segment boundary instead."
             )
-        return self._encode(self._dummy_delta(role, content)), ""
+        return self._encode(self._dummy_delta(role, content)), "segment"
 
-    def add_message(self, role: str, content: str, ids_and_text: tuple[list[int], str] | None = None) -> list[int]:
+    def add_message(self, role: str, content: str, delta: tuple[list[int], str] | None = None) -> list[int]:
         """Append a user / tool message and the next generation prompt. Returns the appended token ids."""
         if role not in ("user", "tool"):
             raise ValueError(f"observation role must be 'user' or 'tool', got {role!r}")
-        ids, full = ids_and_text if ids_and_text is not None else self.delta_for(role, content)
-        if not full:  # segment fallback
+        ids, how = delta if delta is not None else self.delta_for(role, content)
+        text = self.tok.decode(ids, skip_special_tokens=False)
+        if how == "checked":
+            # Count turns where the short-history delta reproduced the real one; any mismatch disables it for good.
+            try:
+                same = self._dummy_delta(role, content) == text
+            except TemplateNotAppendOnly:
+                same = False
+            self._verified[role] = self._verified.get(role, 0) + 1 if same else -(1 << 30)
+        elif how == "segment":
             self.segments.append(len(self.token_ids))
-            full = self._covered + self.tok.decode(ids, skip_special_tokens=False)
+        self._parts.append(text)
         self._append(ids, sampled=False)
         self.messages.append({"role": role, "content": content})
-        self._covered = full
         return ids
 
     def _dummy_delta(self, role: str, content: str) -> str:

@@ -108,3 +108,18 @@ def test_property_mask_and_logprobs_align_and_prefix_stable(qwen_tok, turns):
     assert sum(seq.action_mask) == n_sampled
     assert all((lp == -0.25) == m for m, lp in zip(seq.action_mask, seq.behavior_logprobs))
     assert json.loads(json.dumps(seq.messages)) == seq.messages
+
+
+def test_long_episode_switches_to_local_deltas_and_stays_exact(qwen_tok):
+    seq = ChatSequence(qwen_tok)
+    seq.start([{"role": "user", "content": "go"}], TOOLS)
+    hows = []
+    for i in range(8):
+        seq.add_sampled(sampled(qwen_tok, f"step {i}"))
+        role = "tool" if i % 2 else "user"
+        delta = seq.delta_for(role, f"obs {i}")
+        hows.append(delta[1])
+        seq.add_message(role, f"obs {i}", delta)
+    assert hows[:4] == ["checked"] * 4 and set(hows[4:]) == {"local"}
+    full = qwen_tok.apply_chat_template(seq.messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert qwen_tok.decode(seq.token_ids) == full

@@ -1,0 +1,156 @@
+"""Runtime: finish reasons, limits, error recording, text policies and concurrency (real tokenizer, real envs)."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import gymnasium as gym
+import pytest
+
+from agentenv.envs.guess import GuessNumberEnv
+from agentenv.policy import Generation, SamplingParams
+from agentenv.runtime import RolloutConfig, Task, run_episode, run_episodes
+
+
+class ScriptedPolicy:
+    """A sampler that 'samples' given replies: their real token ids with fixed log-probs. It exercises the
+    runtime's bookkeeping deterministically; log-prob faithfulness of real samplers is tested elsewhere."""
+
+    def __init__(self, tok, replies, stop=True, raise_at=None):
+        self.tokenizer, self.replies, self.stop, self.raise_at = tok, replies, stop, raise_at
+        self.name, self.model_path, self.policy_version, self.calls = "scripted", None, 5, 0
+
+    def generate(self, requests):
+        out = []
+        for r in requests:
+            if self.raise_at is not None and self.calls == self.raise_at:
+                raise RuntimeError("sampler exploded")
+            text = self.replies(r) if callable(self.replies) else self.replies[self.calls % len(self.replies)]
+            self.calls += 1
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: r.sampling.max_new_tokens]
+            stop = self.stop and len(ids) < r.sampling.max_new_tokens
+            ids = ids + [self.tokenizer.eos_token_id] if stop else ids
+            out.append(Generation(ids, [-0.1] * len(ids), "stop" if stop else "length", self.policy_version))
+        return out
+
+
+def cfg(**kw):
+    sp = SamplingParams(max_new_tokens=kw.pop("max_new_tokens", 32))
+    return RolloutConfig(sampling=sp, **kw)
+
+
+def test_success_path_records_a_valid_trajectory(qwen_tok):
+    env = gym.make("agentenv/GuessNumber-v0", low=1, high=4, max_turns=6)
+    t = run_episode(env, ScriptedPolicy(qwen_tok, ["1", "2", "3", "4"]), cfg(max_turns=10), Task(seed=3))
+    t.validate()
+    assert t.finish_reason == "done" and t.success and t.terminated and not t.truncated and t.reward == 1.0
+    assert t.task.startswith("guess-1-4-") and t.env == "agentenv/GuessNumber-v0" and t.model == "scripted"
+    assert t.num_turns == int(t.task.rsplit("-", 1)[1])
+    assert [m["role"] for m in t.messages][:3] == ["system", "user", "assistant"]
+    assert set(t.versions) == {5} and t.sampling["top_k"] == 0
+
+
+def test_runtime_turn_limit(qwen_tok):
+    t = run_episode(GuessNumberEnv(max_turns=50), ScriptedPolicy(qwen_tok, ["0"]), cfg(max_turns=3), Task(seed=0))
+    assert (t.finish_reason, t.num_turns, t.truncated, t.success) == ("max_turns", 3, True, False)
+    assert t.num_invalid_actions == 0 and sum(t.action_mask) == 3 * 2  # "0" + <|im_end|> per turn
+
+
+def test_env_turn_limit_is_truncation_not_success(qwen_tok):
+    t = run_episode(GuessNumberEnv(max_turns=2), ScriptedPolicy(qwen_tok, ["no idea"]), cfg(max_turns=10), Task(seed=0))
+    assert (t.finish_reason, t.truncated, t.terminated, t.success, t.num_invalid_actions) == ("max_turns", True, False, False, 2)
+
+
+def test_max_new_tokens_keeps_what_was_sampled(qwen_tok):
+    t = run_episode(GuessNumberEnv(), ScriptedPolicy(qwen_tok, ["one two three four five six seven"]),
+                    cfg(max_new_tokens=4), Task(seed=0))
+    assert t.finish_reason == "max_new_tokens" and t.truncated and sum(t.action_mask) == 4
+    assert t.action_mask[-4:] == [True] * 4 and t.messages[-1]["role"] == "assistant"
+    t.validate()
+
+
+def test_context_limit_never_exceeds_budget(qwen_tok):
+    for limit in (70, 90, 120):
+        t = run_episode(GuessNumberEnv(max_turns=50), ScriptedPolicy(qwen_tok, ["7"]),
+                        cfg(max_turns=50, max_total_tokens=limit), Task(seed=1))
+        assert t.finish_reason == "context_limit" and t.truncated
+        assert len(t.token_ids) <= limit
+        t.validate()
+
+
+def test_env_and_policy_errors_are_recorded_and_keep_data(qwen_tok):
+    class Exploding(GuessNumberEnv):
+        def step(self, action):
+            if self._turns >= 1:
+                raise ValueError("env crashed")
+            return super().step(action)
+
+    t = run_episode(Exploding(), ScriptedPolicy(qwen_tok, ["3"]), cfg(), Task(seed=0))
+    assert t.finish_reason == "env_error" and "env crashed" in t.error and t.num_turns == 2
+    assert sum(t.action_mask) == 4 and len(t.token_ids) == len(t.behavior_logprobs)
+    t = run_episode(GuessNumberEnv(), ScriptedPolicy(qwen_tok, ["3"], raise_at=1), cfg(), Task(seed=0))
+    assert t.finish_reason == "policy_error" and "sampler exploded" in t.error and t.num_turns == 1
+    t.validate()
+
+
+def test_text_policy_runs_through_the_same_loop():
+    class BinarySearch:
+        name = "bisect"
+
+        def act(self, messages, info):
+            lo, hi = 1, 20
+            guesses = [m["content"] for m in messages if m["role"] == "assistant"]
+            answers = [m["content"] for m in messages if m["role"] == "user"][1:]
+            for g, a in zip(guesses, answers):
+                lo, hi = (int(g) + 1, hi) if a == "higher" else (lo, int(g) - 1)
+            return str((lo + hi) // 2)
+
+    t = run_episode(GuessNumberEnv(max_turns=6), BinarySearch(), cfg(), Task(seed=11))
+    assert t.success and t.finish_reason == "done" and t.token_ids == [] and t.model == "bisect"
+
+
+def test_episodes_do_not_wait_for_each_other(qwen_tok):
+    """One episode's env is slow; the others finish (and are yielded) long before it: no lockstep barrier."""
+    slow_seed = 0
+
+    class SometimesSlow(GuessNumberEnv):
+        def step(self, action):
+            if self._slow:
+                time.sleep(0.6)
+            return super().step(action)
+
+        def reset(self, *, seed=None, options=None):
+            self._slow = seed == slow_seed
+            return super().reset(seed=seed, options=options)
+
+    policy = ScriptedPolicy(qwen_tok, ["0"])
+    done_at = {}
+    t0 = time.perf_counter()
+    trajs = run_episodes(lambda: SometimesSlow(max_turns=3), policy, 6, cfg(concurrency=6), seed=0,
+                         on_trajectory=lambda t: done_at.__setitem__(t.task, time.perf_counter() - t0))
+    slow = [t for t in trajs if t.meta == {} and t.time_env_s > 1.0]
+    assert len(trajs) == 6 and len(slow) == 1
+    assert trajs[-1] is slow[0]  # completion order: the slow one last
+    assert max(v for k, v in done_at.items() if k != slow[0].task) < 0.6  # fast ones did not wait 3 x 0.6 s
+    assert threading.active_count() < 20
+
+
+def test_cli_rollout_writes_jsonl_and_summary(tmp_path):
+    out = tmp_path / "r.jsonl"
+    r = subprocess.run([sys.executable, "-m", "agentenv.cli", "rollout", "--env", "guess", "--model", "tiny",
+                        "--episodes", "3", "--max-new-tokens", "4", "--out", str(out), "--seed", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "episodes=3 success=" in r.stdout and "truncation=" in r.stdout
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == 3 and all(l["model"] == "tiny" and l["model_path"] for l in lines)
+
+
+def test_cli_unknown_model_fails_fast_with_instructions(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "agentenv.cli", "rollout", "--env", "guess", "--model", "qwen2.5-7b",
+                        "--episodes", "1", "--out", str(tmp_path / "x.jsonl")],
+                       capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "HF_HOME": str(tmp_path)})
+    assert r.returncode == 2 and "Qwen/Qwen2.5-7B-Instruct" in r.stderr and "not available offline" in r.stderr
+    assert "Traceback" not in r.stderr
