@@ -13,12 +13,16 @@ Contract with the host (:mod:`agentenv.sandboxes.channel`):
 * MODE ``once``: run one cell like ``python file.py`` and exit with its status. An uncaught exception prints its
   traceback, then ``\\0\\x1eAE<nonce>:<ExcName>\\0`` on stderr (the host strips it; it tells MemoryError apart).
 * MODE ``session``: run cells forever like notebook cells: a trailing expression is echoed via ``sys.displayhook``
-  (like the REPL), ``SystemExit`` ends only the cell. After each cell it writes ``\\0\\x1eAE<nonce>\\0`` to stderr and
-  ``\\0\\x1eAE<nonce>:<exit code>:<ExcName>\\0`` to stdout; seeing both tells the host the cell's output is complete.
+  (like the REPL), ``SystemExit`` ends only the cell. After each cell it writes
+  ``\\0\\x1eAE<nonce>:<exit code>:<ExcName>\\0`` to stdout. Over pipes that one marker suffices: whatever this
+  thread wrote to stderr before is already in the stderr pipe, so the host drains it without waiting. MODE
+  ``session-mux`` (Docker, where both streams are re-multiplexed and may be reordered) also writes
+  ``\\0\\x1eAE<nonce>\\0`` to stderr first, and the host waits for both.
 
-Only builtins and extension modules are imported up front, so start-up stays a few milliseconds.
+Only builtin modules (``posix``, not ``os``) and ``resource`` are imported up front: under ``-S`` a bare
+interpreter never imports ``os``, and a fresh sandbox should not pay for it unless the cell does.
 """
-import os
+import posix as os
 import sys
 
 
@@ -27,15 +31,15 @@ def _main(argv):
     import resource as r
 
     mode, as_bytes, cpu, nproc, fsize = argv[0], *map(int, argv[1:5])
-    once = mode == "once"
+    once, mux = mode == "once", mode == "session-mux"
     r.setrlimit(r.RLIMIT_CORE, (0, 0))
     r.setrlimit(r.RLIMIT_FSIZE, (fsize, fsize))
     r.setrlimit(r.RLIMIT_NPROC, (nproc, nproc))
     r.setrlimit(r.RLIMIT_AS, (as_bytes, as_bytes))
     r.setrlimit(r.RLIMIT_CPU, (cpu, cpu + 1) if once else (cpu, r.RLIM_INFINITY))
 
-    ctl = os.fdopen(os.dup(0), "rb")  # os.dup is close-on-exec: user subprocesses never see the protocol
-    null = os.open(os.devnull, os.O_RDONLY)
+    ctl = open(os.dup(0), "rb")  # dup() is close-on-exec: user subprocesses never see the protocol
+    null = os.open("/dev/null", os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
     sys.stdout.reconfigure(line_buffering=True)
@@ -44,7 +48,7 @@ def _main(argv):
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
     sys.argv = ["<cell>"]
-    cells = 0
+    cells = armed = 0
 
     def show_traceback(exc, source, filename):
         import linecache
@@ -63,7 +67,10 @@ def _main(argv):
         filename = "<cell>" if once else f"<cell-{cells}>"
         if not once:
             used = r.getrusage(r.RUSAGE_SELF)
-            r.setrlimit(r.RLIMIT_CPU, (int(used.ru_utime + used.ru_stime) + int(cell_cpu), r.RLIM_INFINITY))
+            soft = int(used.ru_utime + used.ru_stime) + int(cell_cpu)
+            if soft != armed:  # same whole second of use as last cell: the armed limit is already right
+                r.setrlimit(r.RLIMIT_CPU, (soft, r.RLIM_INFINITY))
+                armed = soft
         code, exc_name = 0, ""
         try:
             tree = compile(source, filename, "exec", _ast.PyCF_ONLY_AST)
@@ -85,7 +92,8 @@ def _main(argv):
                 show_traceback(e, source, filename)
             except BaseException:  # e.g. MemoryError again while formatting: keep the name, lose the text
                 pass
-        for stream in (sys.stdout, sys.stderr, out, err):
+        for stream in (sys.stdout, sys.stderr) if sys.stdout is out and sys.stderr is err else (
+                sys.stdout, sys.stderr, out, err):
             try:
                 stream.flush()
             except BaseException:
@@ -95,7 +103,8 @@ def _main(argv):
             if exc_name:
                 write_err(2, tag + b":" + exc_name.encode() + b"\0")
             sys.exit(code)
-        write_err(2, tag + b"\0")
+        if mux:
+            write_err(2, tag + b"\0")
         write(1, tag + b":%d:%s\0" % (code, exc_name.encode()))
 
 

@@ -18,6 +18,7 @@ Contract:
 
 from __future__ import annotations
 
+import itertools
 import math
 import secrets
 import signal
@@ -128,6 +129,7 @@ class Session:
         self._lock = threading.Lock()
         self._proc = None
         self._finalizer = None
+        self._salt, self._count = secrets.token_hex(4).encode(), itertools.count()
         self._spawn()
 
     def _spawn(self):
@@ -144,12 +146,12 @@ class Session:
         limits = limits or self.limits
         if not isinstance(limits, Limits):
             raise TypeError(f"limits must be agentenv.sandboxes.Limits, got {type(limits).__name__}")
-        fixed = {k for k in Limits.__dataclass_fields__ if k not in _PER_CALL
-                 and getattr(limits, k) != getattr(self.limits, k)}
+        fixed = limits is not self.limits and {k for k in Limits.__dataclass_fields__ if k not in _PER_CALL
+                                                and getattr(limits, k) != getattr(self.limits, k)}
         if fixed:
             raise ValueError(f"a session's {sorted(fixed)} are fixed when it starts; only {sorted(_PER_CALL)} "
                              "may change per call (open a new session for other limits)")
-        nonce = secrets.token_hex(8).encode()
+        nonce = b"%s%x" % (self._salt, next(self._count))  # unique per call; a cell can only fool itself anyway
         payload = _cell(code, nonce, limits)
         with self._lock:
             if self.closed:

@@ -5,8 +5,10 @@ What each sandboxed process gets (and how):
 * New net, PID, IPC, UTS (and cgroup, where possible) namespaces: no network but a down loopback, no view of host
   processes, and ``kill -9 -1`` reaches only its own tree. ``--new-session`` (no terminal injection) and
   ``--die-with-parent``: when the host kills the outer ``bwrap`` (timeout, close, host exit or crash) the kernel
-  tears down the whole PID namespace, so nothing inside can outlive the call. The outer ``bwrap`` itself is
-  started through ``setpriv --pdeathsig KILL`` so that it, in turn, dies with the host process.
+  tears down the whole PID namespace, so nothing inside can outlive the call. The same flag makes the outer
+  ``bwrap`` set PR_SET_PDEATHSIG once it has cloned the sandbox, so it dies with the host process too (it fires
+  when the *thread* that started it exits, hence :mod:`.process`'s long-lived spawner thread). A host killed
+  within the first millisecond of a start, before that prctl, is the one window left.
 * A filesystem made only of a read-only ``/usr`` (with the merged-usr ``/bin``, ``/lib``... links), a private
   ``/proc`` and minimal ``/dev``, and a private size-capped tmpfs ``/tmp`` (``Limits.disk_mb``) as the only
   writable place. No ``/etc``, ``/home``, ``/root`` or host ``/tmp``. The environment is replaced, not inherited.
@@ -112,10 +114,10 @@ class BubblewrapSandbox(Sandbox):
         if not self.bwrap:
             raise RuntimeError("bubblewrap backend: `bwrap` not found; install it with `apt-get install -y bubblewrap`")
         self.as_root = os.geteuid() == 0
-        self.setpriv = os.path.realpath(shutil.which("setpriv") or "/nonexistent")  # used inside too: under /usr
-        if not self.setpriv.startswith("/usr/"):
-            raise RuntimeError("bubblewrap backend: `setpriv` (util-linux) not found; it ties the sandbox's life "
-                               "to this process and drops root inside the sandbox")
+        self.setpriv = os.path.realpath(shutil.which("setpriv") or "/nonexistent")  # runs inside: must be in /usr
+        if self.as_root and not self.setpriv.startswith("/usr/"):
+            raise RuntimeError("bubblewrap backend: `setpriv` (util-linux) not found under /usr; it drops root "
+                               "inside the sandbox")
         self.python = python or "/usr/bin/python3"
         if not os.path.exists(self.python):
             raise RuntimeError(f"bubblewrap backend: no interpreter at {self.python}; install python3 (the system "
@@ -145,9 +147,7 @@ class BubblewrapSandbox(Sandbox):
             mounts += ["--ro-bind", b, b]
         mounts += ["--proc", "/proc", "--dev", "/dev",
                    "--perms", "1777", "--size", str(limits.disk_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp"]
-        # bwrap 0.8's --die-with-parent covers the sandbox when bwrap dies, not bwrap when we die: setpriv's
-        # PDEATHSIG (kept across exec) makes the outer bwrap die with our spawner thread, i.e. with this process.
-        return [self.setpriv, "--pdeathsig", "KILL", "--", self.bwrap, *ns, *mounts, *drop,
+        return [self.bwrap, *ns, *mounts, *drop,
                 self.python, "-S", "-I", "-c", RUNNER_SOURCE, *runner_args(mode, limits)]
 
     def _start(self, mode: str, limits: Limits) -> PipeProc:

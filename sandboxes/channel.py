@@ -6,6 +6,9 @@ Contract:
   until the sinks have seen their end-of-cell markers (``stop_on_markers``), or both streams reach end of file or
   the process exits (``proc.exit_fd``, a pidfd, if it has one), or ``deadline`` (``time.monotonic()``) passes. It returns ``"done"``, ``"eof"`` or ``"timeout"`` and never blocks
   past the deadline, whatever the process does (it may stop reading stdin, flood output, or hang).
+* In a session the runner marks the end of a cell on stdout only (see :mod:`agentenv.sandboxes._runner`);
+  stderr is then drained without waiting, saving a wake-up per call. Handles with ``mux = True`` (docker) get a
+  marker on each stream and the pump waits for both.
 * A :class:`Sink` keeps at most ``cap`` bytes and counts the rest, so an output flood costs reading time but no
   memory. It removes the first ``tag ... \\0`` marker from the stream and keeps what follows the tag as ``status``.
   The marker can be split across reads; user output that merely contains NUL bytes passes through unchanged.
@@ -66,50 +69,61 @@ class Sink:
         return s + TRUNCATION_MARKER.format(dropped=self.dropped) if self.dropped else s
 
 
+def _drain(proc, fds, sinks, max_reads: int = 64) -> None:
+    """Read what is already there, without waiting (bounded: a background writer may never stop)."""
+    for fd in list(fds):
+        for _ in range(max_reads):
+            chunks = proc.read(fd)
+            if not chunks:
+                break
+            for stream, data in chunks:
+                sinks[stream].feed(data)
+
+
 def pump(proc, payload: bytes, deadline: float, out: Sink, err: Sink, stop_on_markers: bool) -> str:
-    """Exchange bytes with ``proc`` (a PipeProc-like handle) until done, end of file, or the deadline."""
+    """Exchange bytes with ``proc`` (a PipeProc-like handle) until done, end of file, the leader's exit, or the
+    deadline. ``proc.poller`` has its read fds (and ``exit_fd``, if any) registered for POLLIN."""
     pending = memoryview(payload)
+    if pending:
+        pending = pending[proc.write(pending):]  # a cell usually fits the pipe buffer: no POLLOUT round trip
     open_fds = set(proc.rfds)
     sinks = {1: out, 2: err}
-    masks = {fd: select.POLLIN for fd in open_fds}
-    if pending:  # docker reads and writes one socket, so masks are merged per fd
-        masks[proc.wfd] = masks.get(proc.wfd, 0) | select.POLLOUT
-    exit_fd = getattr(proc, "exit_fd", None)  # the leader's pidfd: its exit ends the exchange
-    if exit_fd is not None:
-        masks[exit_fd] = select.POLLIN
-    poller = select.poll()
-    for fd, mask in masks.items():
-        poller.register(fd, mask)
-    while True:
-        if stop_on_markers and out.found and err.found:
-            return "done"
-        if not open_fds:
-            return "eof"
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return "timeout"
-        for fd, ev in poller.poll(left * 1000):
-            if fd == exit_fd:  # whatever it wrote is in the pipes by now; children still writing are cut off
-                for rfd in open_fds:
-                    while chunks := proc.read(rfd):
-                        for stream, data in chunks:
-                            sinks[stream].feed(data)
-                return "done" if stop_on_markers and out.found and err.found else "eof"
-            if pending and fd == proc.wfd:
-                if ev & select.POLLOUT:
-                    pending = pending[proc.write(pending):]
-                elif fd not in open_fds:  # POLLERR/POLLHUP: nobody will ever read the rest
-                    pending = pending[:0]
-                if not pending:
-                    if fd in open_fds:
-                        poller.modify(fd, select.POLLIN)
-                    else:
+    exit_fd = getattr(proc, "exit_fd", None)
+    poller, wfd = proc.poller, proc.wfd
+    shared = wfd in open_fds  # docker reads and writes one socket
+    if pending:
+        (poller.modify if shared else poller.register)(wfd, select.POLLOUT | (select.POLLIN if shared else 0))
+    mux = getattr(proc, "mux", False)  # streams re-multiplexed (docker): wait for stderr's own marker
+    try:
+        while True:
+            if stop_on_markers and out.found and (err.found or not mux):
+                if not mux:  # stderr written before the stdout marker is already in its pipe
+                    _drain(proc, open_fds, sinks)
+                return "done"
+            if not open_fds:
+                return "eof"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout"
+            for fd, ev in poller.poll(left * 1000):
+                if fd == exit_fd:  # whatever it wrote is in the pipes now; children still writing are cut off
+                    _drain(proc, open_fds, sinks)
+                    return "done" if stop_on_markers and out.found and (err.found or not mux) else "eof"
+                if pending and fd == wfd:
+                    if ev & select.POLLOUT:
+                        pending = pending[proc.write(pending):]
+                    elif not shared:  # POLLERR/POLLHUP: nobody will ever read the rest
+                        pending = pending[:0]
+                    if not pending:
+                        (poller.modify(wfd, select.POLLIN) if shared else poller.unregister(wfd))
+                if fd in open_fds and ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    chunks = proc.read(fd)
+                    if chunks is None:
+                        open_fds.discard(fd)
                         poller.unregister(fd)
-            if fd in open_fds and ev & (select.POLLIN | select.POLLHUP | select.POLLERR):
-                chunks = proc.read(fd)
-                if chunks is None:
-                    open_fds.discard(fd)
-                    poller.unregister(fd)
-                    continue
-                for stream, data in chunks:
-                    sinks[stream].feed(data)
+                        continue
+                    for stream, data in chunks:
+                        sinks[stream].feed(data)
+    finally:
+        if pending and (not shared or wfd in open_fds):  # leave the poller as we found it
+            (poller.modify(wfd, select.POLLIN) if shared else poller.unregister(wfd))

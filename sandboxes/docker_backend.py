@@ -14,6 +14,7 @@ Containers carry the label ``agentenv.sandbox=1`` so leftovers from a crashed ho
 
 from __future__ import annotations
 
+import select
 import struct
 
 from agentenv.sandboxes.base import RUNNER_SOURCE, Sandbox, runner_args
@@ -40,6 +41,7 @@ def container_config(image: str, python: str, mode: str, limits: Limits, cpus: f
     """Keyword arguments for ``client.containers.create`` (pure, so the hardening is testable without an engine)."""
     from docker.types import LogConfig, Ulimit
 
+    mode = "session-mux" if mode == "session" else mode  # stdout/stderr may be reordered over the attach stream
     args = runner_args(mode, limits.replace(max_processes=1 << 20))  # pids_limit is the process cap here
     return dict(
         image=image, command=[python, "-S", "-I", "-c", RUNNER_SOURCE, *args], stdin_open=True, tty=False,
@@ -66,7 +68,10 @@ class DockerProc:
             raise
         self.rfds = [self.sock.fileno()]
         self.wfd = self.rfds[0]
+        self.poller = select.poll()
+        self.poller.register(self.wfd, select.POLLIN)
         self._buf = bytearray()
+        self.mux = True  # one stream carries both: the runner marks each (mode session-mux)
         self.oom_killed = False
         self._gone = False
 

@@ -54,8 +54,12 @@ class PipeProc:
         self._streams = {self.popen.stdout.fileno(): 1, self.popen.stderr.fileno(): 2}
         self.rfds = list(self._streams)
         self.exit_fd = os.pidfd_open(self.pid)  # readable once the leader exits, even if a daemon keeps the pipes
+        self.poller = select.poll()  # kept across session calls; channel.pump adds stdin only while it writes
+        for fd in (*self.rfds, self.exit_fd):
+            self.poller.register(fd, select.POLLIN)
         for fd in (self.wfd, *self.rfds):
             os.set_blocking(fd, False)
+        self.mux = False  # separate pipes per stream: see channel.pump
         self.oom_killed = False  # only a container engine can tell; RLIMIT_AS shows up as MemoryError instead
         with _lock:
             _live.add(self)
