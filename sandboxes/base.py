@@ -87,7 +87,8 @@ class Sandbox:
         payload = _cell(code, nonce, limits)
         started = time.monotonic()
         deadline = started + limits.timeout_s
-        out, err = Sink(limits.max_output_bytes, b"\0\x1eAE" + nonce), Sink(limits.max_output_bytes, b"\0\x1eAE" + nonce)
+        tag = b"\0\x1eAE" + nonce
+        out, err = Sink(limits.max_output_bytes, tag), Sink(limits.max_output_bytes, tag)
         proc = self._start("once", limits)
         try:
             state = pump(proc, payload, deadline, out, err, stop_on_markers=False)

@@ -4,8 +4,9 @@ Contract:
 
 * :func:`pump` writes ``payload`` to the process's stdin and reads stdout/stderr into two :class:`Sink` objects
   until the sinks have seen their end-of-cell markers (``stop_on_markers``), or both streams reach end of file or
-  the process exits (``proc.exit_fd``, a pidfd, if it has one), or ``deadline`` (``time.monotonic()``) passes. It returns ``"done"``, ``"eof"`` or ``"timeout"`` and never blocks
-  past the deadline, whatever the process does (it may stop reading stdin, flood output, or hang).
+  the process exits (``proc.exit_fd``, a pidfd, if it has one), or ``deadline`` (``time.monotonic()``) passes.
+  It returns ``"done"``, ``"eof"`` or ``"timeout"`` and never blocks past the deadline, whatever the process
+  does (it may stop reading stdin, flood output, or hang).
 * In a session the runner marks the end of a cell on stdout only (see :mod:`agentenv.sandboxes._runner`);
   stderr is then drained without waiting, saving a wake-up per call. Handles with ``mux = True`` (docker) get a
   marker on each stream and the pump waits for both.

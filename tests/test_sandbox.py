@@ -4,7 +4,6 @@ import gc
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
