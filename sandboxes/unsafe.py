@@ -13,6 +13,7 @@ import shutil
 import sys
 import tempfile
 import warnings
+import weakref
 
 from agentenv.sandboxes.base import RUNNER_SOURCE, Sandbox, runner_args
 from agentenv.sandboxes.limits import Limits
@@ -37,6 +38,7 @@ class SubprocessSandbox(Sandbox):
         log.warning(msg)
         self.python = python or sys.executable
         self.workdir = tempfile.mkdtemp(prefix="agentenv-unsafe-")
+        self._rmdir = weakref.finalize(self, shutil.rmtree, self.workdir, ignore_errors=True)  # also at exit
 
     def _start(self, mode: str, limits: Limits) -> PipeProc:
         env = {"PATH": "/usr/bin:/bin", "HOME": self.workdir, "TMPDIR": self.workdir, "LANG": "C.UTF-8"}
@@ -45,4 +47,4 @@ class SubprocessSandbox(Sandbox):
 
     def close(self) -> None:
         super().close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self._rmdir()
