@@ -86,10 +86,11 @@ class RayRolloutWorker:
 
 
 class _Handle:
-    def __init__(self, actor):
+    def __init__(self, actor, alive: bool = True):
         self.actor = actor
-        self.alive = True
+        self.alive = alive  # accepting episodes
         self.poll_ref = None
+        self.starting_ref = None  # a restarted actor's ready() call; it gets work once this resolves
 
 
 class RayBackend:
@@ -101,7 +102,7 @@ class RayBackend:
         self._owns_ray = init_ray(cfg.ray_num_cpus, cfg.ray_address)
         self._cls = ray.remote(RayRolloutWorker)
         self._weights = None  # (ObjectRef of the last published state dict, version)
-        self._dead: list = []
+        self._events: list = []  # deaths the driver caused (kill_worker), reported on the next poll
         self.workers: list[_Handle] = []
         try:
             self.workers = [self._spawn(i) for i in range(cfg.num_workers)]
@@ -129,20 +130,24 @@ class RayBackend:
 
     def poll(self, timeout: float) -> list:
         ray = self.ray
-        refs = {}
+        events, self._events = self._events, []
+        refs, starting = {}, {}
         for i, w in enumerate(self.workers):
             if w.alive:
                 if w.poll_ref is None:
                     w.poll_ref = w.actor.poll.remote(0.2)
                 refs[w.poll_ref] = i
-        if not refs:
+            elif w.starting_ref is not None:
+                starting[w.starting_ref] = i
+        if not refs and not starting:
             time.sleep(timeout)
-            return []
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
-        if not ready:
-            return []
-        events = []
+            return events
+        ready, _ = ray.wait(list(refs) + list(starting), num_returns=len(refs) + len(starting),
+                            timeout=0 if events else timeout)
         for ref in ready:
+            if ref in starting:
+                self._started(starting[ref], ref)
+                continue
             i = refs[ref]
             w = self.workers[i]
             w.poll_ref = None
@@ -170,17 +175,34 @@ class RayBackend:
                 self.workers[i].alive = False  # its poll reports the death; nothing else to do here
 
     def kill_worker(self, wid: int) -> None:
-        """Fault injection: kill the actor process outright (the driver notices on its next poll)."""
-        self.ray.kill(self.workers[wid].actor, no_restart=True)
+        """Fault injection: kill the actor process outright. It gets no more work from this moment; the driver sees
+        the death (and drops its in-flight episodes) on the next poll."""
+        w = self.workers[wid]
+        self.ray.kill(w.actor, no_restart=True)
+        if w.alive:
+            w.alive = False
+            self._events.append(("died", wid, "killed (ray.kill)"))
 
     def restart_worker(self, wid: int) -> None:
-        old = self.workers[wid]
-        self._kill_quietly(old.actor)
+        """Replace a dead actor without blocking the loop: the new one gets work once its ready() resolves."""
+        self._kill_quietly(self.workers[wid].actor)
         w = self._spawn(wid)
-        self.ray.get(w.actor.ready.remote(), timeout=300)
-        if self._weights is not None:  # a fresh actor starts from make_policy's weights: bring it up to date
-            self.ray.get(w.actor.load_weights.remote(*self._weights))
+        w.alive = False
+        w.starting_ref = w.actor.ready.remote()
         self.workers[wid] = w
+
+    def _started(self, wid: int, ref) -> None:
+        w = self.workers[wid]
+        w.starting_ref = None
+        try:
+            self.ray.get(ref)
+            if self._weights is not None:  # a fresh actor has make_policy's weights: bring it up to date first
+                self.ray.get(w.actor.load_weights.remote(*self._weights))
+        except Exception as e:  # noqa: BLE001 -- it stays out of rotation; the run goes on with the others
+            log.error("restarted rollout actor %d failed to start: %s", wid, e)
+            return
+        w.alive = True
+        log.info("rollout actor %d restarted", wid)
 
     def _kill_quietly(self, actor) -> None:
         try:
@@ -194,7 +216,7 @@ class RayBackend:
         closes = {}
         for w in self.workers:
             if w.alive:
-                closes[w.actor.close.remote()] = w
+                closes[w.actor.close.remote()] = w  # joins the actor's episode threads, closes its envs
         for r in closes:
             try:
                 left += int(ray.get(r, timeout=30))
