@@ -271,7 +271,8 @@ class RolloutWorker:
             if ep.env is None:
                 ep.env = self.make_env()
             v0 = getattr(self.policy, "policy_version", 0)
-            traj = run_episode(ep.env, self.policy, self.cfg, task, gen)
+            policy = self.policy if hasattr(self.policy, "generate") else _CancellableText(self.policy, ep.cancel)
+            traj = run_episode(ep.env, policy, self.cfg, task, gen)
             traj.meta.update(worker=self.worker_id, eid=ep.eid, version_start=v0,
                              version_end=getattr(self.policy, "policy_version", 0))
         except Exception as e:  # noqa: BLE001 -- make_env failed: an error result, the worker lives on
@@ -346,6 +347,20 @@ class RolloutWorker:
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         return sum(t.is_alive() for t in self._threads)
+
+
+class _CancellableText:
+    """A text policy (scripted expert, stand-in) seen through the same between-turns cancellation check."""
+
+    def __init__(self, policy, cancel: threading.Event):
+        self._policy, self._cancel = policy, cancel
+        self.name = getattr(policy, "name", "")
+        self.model_path = getattr(policy, "model_path", None)
+
+    def act(self, messages, info):
+        if self._cancel.is_set():
+            raise EpisodeCancelled("episode cancelled")
+        return self._policy.act(messages, info)
 
 
 def _close_quietly(env) -> None:
@@ -496,6 +511,7 @@ class Trainer:
         self._t_publish = 0.0
         self._consumed_in_run = 0
         self._t0 = 0.0
+        self._t_end = 0.0  # when the loop stopped (rates exclude the shutdown drain)
         self._last_update_end = 0.0
         self.run_dir = Path(cfg.run_dir) if cfg.run_dir else None
         if cfg.resume:
@@ -540,6 +556,7 @@ class Trainer:
             if pending is not None:  # stop requested mid-update: finish it, then shut down
                 self._finish_update(*pending.result())
                 pending = None
+            self._t_end = time.perf_counter()
         finally:
             if pending is not None:
                 pending.cancel()
@@ -862,10 +879,13 @@ class Trainer:
         c.in_flight = c.queued = c.learning = 0
         self._inflight.clear()
         self._buffer = []
+        t_close = time.perf_counter()
         info = self._backend.close() if self._backend is not None else {}
-        elapsed = max(1e-9, time.perf_counter() - self._t0) if self._t0 else 0.0
+        t_end = self._t_end or t_close
+        elapsed = max(1e-9, t_end - self._t0) if self._t0 else 0.0
         summary = {"updates": self.step, "policy_version": self.learner.policy_version, **c.flat(),
                    "accounting_balance": c.balance(), "elapsed_s": elapsed,
+                   "shutdown_s": time.perf_counter() - t_close,
                    "learner_busy": self._t_learner / elapsed if elapsed else 0.0,
                    "traj_per_s": self._consumed_in_run / elapsed if elapsed else 0.0, **info}
         log.info("shutdown %s", " ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
