@@ -1,7 +1,11 @@
 """The ``agentenv`` command line (also ``python -m agentenv.cli``).
 
+Subcommands: ``demo`` (SFT warm start + FlashREINFORCE on a built-in tool task, on CPU, no download), ``run``
+(train from a preset in ``configs/``), ``sft``, ``eval``, ``plot``, ``list``, ``rollout`` and the ``sandbox`` tools.
 Subcommands are added by small ``add_*`` functions, one per area, so each stays next to the code it drives.
+Exit codes: 0 ok, 1 a check failed, 2 bad usage / missing model or data, 130 interrupted.
 """
+
 
 from __future__ import annotations
 
@@ -103,10 +107,225 @@ def cmd_rollout(args) -> int:
     return 0
 
 
+# --- training: run / demo / sft / eval / plot / list ----------------------------------------------------------------
+def _add_config_args(p, *, env_required: bool = False) -> None:
+    p.add_argument("--preset", default=None, help="preset name in configs/ or a .yaml path (default: the env's preset)")
+    p.add_argument("--variant", action="append", default=[], metavar="V",
+                   help="apply a preset variant (no_trust, no_is, token_mean, negative_q09, negative_q02, grpo); repeatable")
+    p.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
+                   help="override a config value by dotted key, e.g. --set loop.batch_size=8 --set algo.lr=1e-5; repeatable")
+    p.add_argument("--run-dir", default=None, help="run directory (default runs/NAME-TIME)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
+
+
+def _config_from_args(args, default_preset: str | None = None):
+    from agentenv.config import load_config
+
+    preset = args.preset or getattr(args, "env", None) or default_preset
+    if preset is None:
+        raise SystemExit("error: give --env ENV or --preset NAME (see `agentenv list`)")
+    pre = []
+    model = getattr(args, "model", None)
+    if model:
+        pre.append(f"model.name={model}")
+        if model == "tiny" or model.startswith("tiny:") or model == "expert":
+            # the built-in tiny model runs on this CPU: local threads, transformers sampler, float32
+            pre += ["model.backend=hf", "model.dtype=float32", "loop.backend=local", "model.gradient_checkpointing=false",
+                    "algo.max_tokens_per_microbatch=null"]
+    if getattr(args, "run_dir", None):
+        pre.append(f"run.dir={args.run_dir}")
+    return load_config(preset, args.variant, pre + list(args.overrides))
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser(
+        "run", help="train with FlashREINFORCE from a preset (--dry-run shows the resolved config and launch plan)",
+        description="Launch a FlashREINFORCE run. The preset for --env (configs/alfworld.yaml, configs/python_tool.yaml) "
+                    "mirrors the paper's settings; --variant and --set change it. Example: agentenv run --env alfworld "
+                    "--model qwen2.5-7b --dry-run")
+    p.add_argument("--env", default=None, help="alfworld | python | demo (selects the preset of the same name)")
+    p.add_argument("--model", default=None, help="tiny, tiny:HxL, a local checkpoint dir, or an alias like qwen2.5-7b")
+    _add_config_args(p)
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and launch plan, check that "
+                   "model and data are reachable, train nothing")
+    p.add_argument("--eval-only", action="store_true", help="evaluate the model on the preset's eval splits, no training")
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args) -> int:
+    from agentenv.config import ConfigError
+    from agentenv.train import LaunchError, dry_run, run
+
+    try:
+        cfg = _config_from_args(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        return dry_run(cfg)
+    try:
+        run(cfg, eval_only=args.eval_only, progress=not args.no_progress)
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="the CPU demo: SFT warm start, then FlashREINFORCE learns to use the python tool",
+                       description="Warm-start the built-in tiny model by SFT on scripted demos (few use the tool), then "
+                                   "train it with FlashREINFORCE on multiplications where the python tool pays. Prints "
+                                   "success and tool-call rate before/after and writes curves.png. No download.")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_demo, preset_default="demo")
+
+
+def cmd_demo(args) -> int:
+    from agentenv.config import ConfigError
+    from agentenv.demo import run_demo
+    from agentenv.train import LaunchError
+
+    try:
+        cfg = _config_from_args(args, default_preset="demo")
+        return run_demo(cfg, progress=not args.no_progress)
+    except (ConfigError, LaunchError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _add_sft(sub) -> None:
+    p = sub.add_parser("sft", help="supervised fine-tuning on demonstration trajectories (loss on policy tokens only)",
+                       description="SFT a model on demonstrations: a trajectories JSONL (e.g. `agentenv rollout --model "
+                                   "expert`), or the scripted python-tool demos (--demos scripted). Writes a checkpoint "
+                                   "directory usable as --model DIR.")
+    p.add_argument("--model", default="tiny:128x4")
+    p.add_argument("--demos", default="scripted", help="'scripted' or a trajectories JSONL path")
+    p.add_argument("--num-demos", type=int, default=1000)
+    p.add_argument("--tool-fraction", type=float, default=0.25, help="scripted demos: share that call the tool")
+    p.add_argument("--all", action="store_true", help="also imitate unsuccessful demos (default: successes only)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.set_defaults(func=cmd_sft)
+
+
+def cmd_sft(args) -> int:
+    from agentenv import demo
+    from agentenv.models import ModelNotAvailable
+    from agentenv.sft import SFTConfig, load_model_and_tokenizer, prepare_demos, save_checkpoint_dir, train_sft
+    from agentenv.trajectory import iter_jsonl
+
+    try:
+        model, tok, _ = load_model_and_tokenizer(args.model)
+    except ModelNotAvailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.demos == "scripted":
+        demos = demo.demo_trajectories(tok, args.num_demos, args.tool_fraction, seed=args.seed + 1)
+    else:
+        raw = []
+        for t in iter_jsonl(args.demos):
+            raw.append(t)
+            if len(raw) >= args.num_demos:
+                break
+        demos = prepare_demos(raw, tok, only_successful=not args.all, max_tokens=args.max_tokens)
+    r = train_sft(model, demos, SFTConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed))
+    out = save_checkpoint_dir(model, tok, args.out)
+    print(f"sft demos={r['demos']} steps={r['steps']} loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} "
+          f"wall={r['wall_s']:.0f}s -> {out}")
+    return 0
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a model/checkpoint on a preset's eval splits",
+                       description="Play every task of the preset's eval splits (eval.samples times) and report success, "
+                                   "tool-call rate and per-type success. Same as `run --eval-only`.")
+    p.add_argument("--env", default=None, help="alfworld | python | demo")
+    p.add_argument("--model", required=True, help="checkpoint dir (e.g. RUN/sft_model), tiny, or an alias")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args) -> int:
+    args.dry_run, args.eval_only = False, True
+    return cmd_run(args)
+
+
+def _add_plot(sub) -> None:
+    p = sub.add_parser("plot", help="PNG curves of one or more runs (overlaid)",
+                       description="Draw reward/success, tool-call rate, acceptance rate, lag and length curves from "
+                                   "RUN_DIR/metrics.jsonl; several runs are overlaid.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png of the first run)")
+    p.add_argument("--title", default=None)
+    p.set_defaults(func=cmd_plot)
+
+
+def cmd_plot(args) -> int:
+    from agentenv.plot import plot_runs
+
+    try:
+        out = plot_runs(args.run_dirs, args.out, title=args.title)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def _add_list(sub) -> None:
+    p = sub.add_parser("list", help="list environments, model aliases and presets (with their variants)")
+    p.add_argument("what", nargs="?", choices=["envs", "models", "presets", "all"], default="all")
+    p.set_defaults(func=cmd_list)
+
+
+def cmd_list(args) -> int:
+    import gymnasium as gym
+
+    import agentenv  # noqa: F401
+    from agentenv.config import list_presets, preset_variants, read_yaml
+    from agentenv.envs import ENV_ALIASES, EXPERTS
+    from agentenv.models import ALIASES
+
+    if args.what in ("envs", "all"):
+        print("environments (alias -> gymnasium id):")
+        by_id: dict = {}
+        for alias, env_id in ENV_ALIASES.items():
+            by_id.setdefault(env_id, []).append(alias)
+        for env_id in sorted(k for k in gym.registry if k.startswith("agentenv/")):
+            extra = " [--model expert available]" if env_id in EXPERTS else ""
+            print(f"  {', '.join(by_id.get(env_id, [])) or '-':22s} {env_id}{extra}")
+    if args.what in ("models", "all"):
+        print("models:")
+        print("  tiny, tiny:HIDDENxLAYERS  built-in Qwen2-architecture model, real Qwen2.5 tokenizer (no download)")
+        print("  expert                    scripted expert policy (envs that have one)")
+        print("  /path/to/checkpoint       any local transformers checkpoint directory")
+        for alias, hub in sorted(ALIASES.items()):
+            print(f"  {alias:25s} {hub}")
+    if args.what in ("presets", "all"):
+        print("presets (configs/; use --preset NAME or --env NAME, --variant V):")
+        for name, path in list_presets().items():
+            desc = read_yaml(path).get("description", "")
+            vs = preset_variants(str(path))
+            print(f"  {name:12s} {desc}")
+            if vs:
+                print(f"  {'':12s} variants: {', '.join(vs)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agentenv", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_demo(sub)
+    _add_run(sub)
+    _add_sft(sub)
+    _add_eval(sub)
+    _add_plot(sub)
+    _add_list(sub)
     _add_rollout(sub)
     try:
         from agentenv.sandboxes.cli import add_subcommands as add_sandbox

@@ -1,0 +1,310 @@
+"""Run configuration: plain YAML presets in ``configs/`` validated into typed objects.
+
+Contract:
+
+* A preset is a YAML mapping with the sections of :class:`RunConfig` (``env``, ``model``, ``rollout``, ``algo``,
+  ``loop``, ``eval``, ``sft``, ``run``, ``launch``) and an optional ``variants:`` mapping ``name -> overrides``
+  (a nested mapping merged on top of the preset). Every field has a default, so a preset states only what it sets.
+* :func:`load_config(preset, variants, overrides)` = preset, then each variant in order, then ``--set`` overrides
+  (``"a.b=value"``; the value is parsed as YAML, so ``1e-3``, ``true``, ``[1, 2]``, ``null`` work), then validation.
+* Unknown keys, wrong types and out-of-range values raise :class:`ConfigError` whose message names the dotted path
+  and, for unknown keys, the valid ones. An unknown variant lists the preset's variants.
+* Presets are found by name in ``$AGENTENV_CONFIGS``, then the repository's ``configs/`` (next to the package), then
+  ``./configs``; a path to a ``.yaml`` file works too.
+
+Pure data: nothing here builds models or envs (that is :mod:`agentenv.train`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class EnvConfig(_Section):
+    id: str = "python"  # alias (alfworld, python, guess) or a gymnasium id
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to gymnasium.make for training episodes
+    train_split: Optional[str] = None  # for envs with splits (alfworld: train)
+    tasks: Literal["env", "demo"] = "env"  # "demo": the built-in multiplication task set of agentenv.demo
+    num_tasks: int = Field(256, ge=1)  # prompts per epoch (task_index 0..n-1, or seeds for envs without tasks)
+
+
+class ModelConfig(_Section):
+    name: str = "tiny"  # "tiny", "tiny:HxL", a local checkpoint dir, an alias (qwen2.5-7b) or a hub id
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Optional[str] = None  # None: cuda if available, else cpu
+    backend: Literal["hf", "vllm"] = "hf"  # rollout sampler
+    gradient_checkpointing: bool = False
+
+
+class RolloutSection(_Section):
+    max_turns: int = Field(10, ge=1)
+    max_total_tokens: int = Field(8192, ge=16)  # whole trajectory (prompt + all turns)
+    max_generated_tokens: Optional[int] = Field(None, ge=1)  # policy tokens per trajectory; None = no extra cap
+    max_new_tokens: int = Field(1024, ge=1)  # per assistant turn
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+
+
+class AlgoConfig(_Section):
+    loss: Literal["flashreinforce", "grpo"] = "flashreinforce"
+    delta: float = Field(1e-3, ge=0)  # sequence trust threshold; .inf allowed
+    no_trust: bool = False
+    no_is: bool = False
+    token_mean: bool = False
+    negative_token_fraction: float = Field(1.0, ge=0, le=1)  # failure filter q (1.0 = off)
+    lr: float = Field(1e-6, gt=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_ratio: float = Field(0.03, ge=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.1, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    grpo_clip_eps: float = Field(0.2, gt=0)
+    max_tokens_per_microbatch: Optional[int] = Field(None, ge=1)
+
+
+class LoopConfig(_Section):
+    mode: Literal["async", "sync_grpo"] = "async"
+    backend: Literal["local", "ray"] = "local"
+    batch_size: int = Field(64, ge=1)  # trajectories per update (prompts x samples)
+    group_size: int = Field(1, ge=1)  # samples per prompt (1 = FlashREINFORCE single rollout)
+    queue_size: int = Field(2, ge=1)
+    max_staleness: Optional[int] = Field(None, ge=0)
+    num_workers: int = Field(2, ge=1)
+    concurrency: int = Field(8, ge=1)  # episodes in flight per worker
+    total_updates: int = Field(200, ge=1)
+    episode_timeout_s: float = Field(600.0, gt=0)
+    checkpoint_every: int = Field(0, ge=0)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _groups(self):
+        if self.mode == "sync_grpo" and self.batch_size % self.group_size:
+            raise ValueError(f"batch_size {self.batch_size} must be a multiple of group_size {self.group_size}")
+        if self.mode == "async" and self.group_size != 1:
+            raise ValueError("group_size > 1 needs loop.mode=sync_grpo (async FlashREINFORCE is one rollout per prompt)")
+        return self
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0)  # updates between evaluations (0 = only --eval-only / end of run if at_end)
+    at_start: bool = False  # evaluate the starting (warm-started) policy before the first update
+    at_end: bool = False
+    splits: list[str] = Field(default_factory=list)  # e.g. [valid_seen, valid_unseen]; [] = the training tasks
+    episodes: Optional[int] = Field(None, ge=1)  # tasks per split; None = the whole split
+    samples: int = Field(1, ge=1)  # samples per task
+    temperature: Optional[float] = Field(None, gt=0)  # None = the rollout temperature
+
+
+class SFTSection(_Section):
+    enabled: bool = False  # warm-start by SFT before RL
+    demos: str = "scripted"  # "scripted" (agentenv.demo) or a trajectories JSONL path (e.g. expert rollouts)
+    num_demos: int = Field(1000, ge=1)
+    tool_fraction: float = Field(0.25, ge=0, le=1)  # scripted demos: share that use the tool
+    epochs: int = Field(3, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    batch_size: int = Field(16, ge=1)
+
+
+class RunSection(_Section):
+    name: str = "run"
+    dir: Optional[str] = None  # None: runs/{name}-{YYYYmmdd-HHMMSS}
+    tensorboard: bool = True
+    wandb: bool = False  # used only when the wandb package is installed
+    plot: bool = True  # PNG curves at the end of the run
+    collapse_window: int = Field(20, ge=2)  # updates over which the tool-call peak is tracked
+    collapse_ratio: float = Field(0.3, gt=0, lt=1)  # warn when the tool rate falls below this x its recent peak
+    save_trajectories: bool = True
+    threads: Optional[int] = Field(None, ge=1)  # torch CPU threads
+
+
+class LaunchConfig(_Section):
+    """What the run needs on a cluster; printed by --dry-run, used by the Ray backend."""
+
+    gpus: int = Field(0, ge=0)  # total GPUs: learner + rollout engines
+    learner_gpus: int = Field(0, ge=0)
+    vllm_engines: int = Field(0, ge=0)
+    vllm_tensor_parallel: int = Field(1, ge=1)
+    ray_address: Optional[str] = None
+
+
+class RunConfig(_Section):
+    preset: str = ""
+    description: str = ""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    loop: LoopConfig = Field(default_factory=LoopConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    sft: SFTSection = Field(default_factory=SFTSection)
+    run: RunSection = Field(default_factory=RunSection)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    variants: list[str] = Field(default_factory=list)  # applied variants (recorded, not an input)
+
+    @field_validator("variants", mode="before")
+    @classmethod
+    def _no_mapping(cls, v):
+        if isinstance(v, dict):
+            raise ValueError("internal: variants must be applied before validation")
+        return v
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+# --- presets ---------------------------------------------------------------------------------------------------------
+ENV_PRESETS = {"alfworld": "alfworld", "python": "python_tool", "python_tool": "python_tool", "demo": "demo",
+               "agentenv/alfworld-v0": "alfworld", "agentenv/pythontool-v0": "python_tool"}
+
+
+def config_dirs() -> list[Path]:
+    dirs = []
+    if os.environ.get("AGENTENV_CONFIGS"):
+        dirs.append(Path(os.environ["AGENTENV_CONFIGS"]))
+    dirs.append(Path(__file__).resolve().parent.parent / "configs")  # the repo (editable install)
+    dirs.append(Path.cwd() / "configs")
+    return dirs
+
+
+def list_presets() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for d in reversed(config_dirs()):
+        for p in sorted(d.glob("*.yaml")) if d.is_dir() else []:
+            out[p.stem] = p
+    return dict(sorted(out.items()))
+
+
+def find_preset(name: str) -> Path:
+    p = Path(name).expanduser()
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    key = ENV_PRESETS.get(name.lower(), name)
+    presets = list_presets()
+    if key not in presets:
+        raise ConfigError(f"no preset named {name!r}. Presets: {', '.join(presets) or '(none found)'}; searched "
+                          f"{', '.join(str(d) for d in config_dirs())}. Or pass a path to a .yaml file.")
+    return presets[key]
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a preset must be a YAML mapping, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "kwargs":
+            out[k] = deep_merge(out[k], v)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):  # env.kwargs merges too, key by key
+            out[k] = {**out[k], **v}
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set expects KEY=VALUE with a dotted key (e.g. loop.batch_size=4), got {item!r}")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set: bad key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_override(data: dict, path: list[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {'.'.join(path)}: {part!r} is a value, not a section")
+        node = nxt
+    node[path[-1]] = value
+
+
+def _format_errors(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            section = _section_for(err["loc"][:-1])
+            valid = ", ".join(section.model_fields) if section is not None else "?"
+            lines.append(f"  {loc}: unknown key (valid keys here: {valid})")
+        else:
+            lines.append(f"  {loc}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def _section_for(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None) if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def validate(data: dict) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None
+
+
+def load_config(preset: str | Path | dict = "demo", variants: list[str] | tuple = (), overrides: list[str] | tuple = (),
+                ) -> RunConfig:
+    if isinstance(preset, dict):
+        data, name = copy.deepcopy(preset), str(preset.get("preset", "custom"))
+    else:
+        path = find_preset(str(preset))
+        data, name = read_yaml(path), path.stem
+    available = data.pop("variants", None) or {}
+    if not isinstance(available, dict):
+        raise ConfigError(f"preset {name}: 'variants' must be a mapping name -> overrides")
+    for v in variants:
+        if v not in available:
+            raise ConfigError(f"preset {name} has no variant {v!r}. Variants: {', '.join(available) or '(none)'}")
+        over = available[v] or {}
+        if not isinstance(over, dict):
+            raise ConfigError(f"preset {name}: variant {v!r} must be a mapping of overrides")
+        data = deep_merge(data, over)
+    for item in overrides:
+        path, value = parse_override(item)
+        apply_override(data, path, value)
+    data.setdefault("preset", name)
+    data["variants"] = list(variants)
+    return validate(data)
+
+
+def preset_variants(preset: str) -> list[str]:
+    return list((read_yaml(find_preset(preset)).get("variants") or {}).keys())

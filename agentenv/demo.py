@@ -1,0 +1,89 @@
+"""The CPU demo task: multiplications that are (nearly) impossible without the Python tool and trivial with it.
+
+Contract:
+
+* :func:`demo_tasks` -- ``"What is A * B?"`` with A in [3000, 9999] and B in [34, 99], so the product always has 6
+  digits. Guessing it is ~hopeless; ``print(A * B)`` gives it exactly. Fixed widths keep every demo the same
+  token layout, which a tiny model can learn to copy from (digit tokens are single tokens in Qwen's vocabulary).
+* :func:`scripted_demo` -- the messages of one demonstration: with the tool (call python, then copy its output into
+  ``\\boxed{}``) or without (answer at once with a plausible but wrong number: the product with its last three
+  digits scrambled). :func:`demo_trajectories` builds ``n`` of them with a given tool share through
+  :func:`agentenv.sft.trajectory_from_messages`, i.e. through the same ChatSequence the runtime uses.
+* The env is the real ``agentenv/PythonTool-v0`` (sandboxed python) with these tasks and :data:`SYSTEM_PROMPT`.
+
+The demo's story: SFT on a mix where only ~25% of demos use the tool gives a policy that rarely calls it; RL
+(FlashREINFORCE) then finds that tool-calling trajectories are the ones that succeed and amplifies them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from agentenv.envs.tasks import Task
+
+SYSTEM_PROMPT = "Answer with \\boxed{}. You may use the python tool."
+ENV_ID = "agentenv/PythonTool-v0"
+
+
+def demo_tasks(n: int, seed: int = 0) -> list[Task]:
+    r = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = r.randrange(3000, 10000), r.randrange(34, 100)
+        out.append(Task(f"What is {a} * {b}?", str(a * b), id=f"mul-{seed}-{i}", type="multiply"))
+    return out
+
+
+def _operands(task: Task) -> tuple[int, int]:
+    q = task.question.removeprefix("What is ").removesuffix("?")
+    a, b = q.split(" * ")
+    return int(a), int(b)
+
+
+def scripted_demo(task: Task, use_tool: bool, rng: random.Random) -> list[dict]:
+    """Messages after the prompt: assistant (and tool) turns of one demonstration."""
+    a, b = _operands(task)
+    if use_tool:
+        call = {"name": "python", "arguments": {"code": f"print({a} * {b})"}}
+        return [{"role": "assistant", "content": f"<tool_call>\n{json.dumps(call)}\n</tool_call>"},
+                {"role": "tool", "content": str(a * b)},
+                {"role": "assistant", "content": f"\\boxed{{{a * b}}}"}]
+    wrong = a * b // 1000 * 1000 + rng.randrange(1000)
+    if wrong == a * b:
+        wrong = a * b // 1000 * 1000 + (a * b + 1) % 1000
+    return [{"role": "assistant", "content": f"\\boxed{{{wrong}}}"}]
+
+
+def tool_schemas() -> list[dict]:
+    """The python tool's schema exactly as the env shows it (built without starting a sandbox)."""
+    from agentenv.envs.python_tool import PYTHON_DOC
+    from agentenv.envs.tools import Tool
+    from agentenv.sandboxes import Limits
+
+    lim = Limits()
+    doc = PYTHON_DOC.format(state="Variables, imports and functions persist across calls within this conversation.",
+                            timeout=lim.timeout_s, memory=lim.memory_mb)
+
+    def python(code: str) -> str:
+        return code
+
+    python.__doc__ = doc
+    return [Tool.from_function(python).schema()]
+
+
+def demo_trajectories(tokenizer, n: int, tool_fraction: float = 0.25, seed: int = 1, tools: list[dict] | None = None):
+    """``n`` token-level demos (success marked True so SFT keeps them all: they are what we want imitated)."""
+    from agentenv.sft import trajectory_from_messages
+
+    rng = random.Random(seed)
+    tools = tools if tools is not None else tool_schemas()
+    out = []
+    for task in demo_tasks(n, seed=seed + 10_000):  # never the RL/eval tasks' seed
+        prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.question}]
+        use = rng.random() < tool_fraction
+        t = trajectory_from_messages(tokenizer, prompt + scripted_demo(task, use, rng), tools,
+                                     env=ENV_ID, task=task.id, task_type=task.type, success=True, reward=1.0)
+        t.num_tool_calls = int(use)
+        out.append(t)
+    return out

@@ -1,0 +1,275 @@
+"""Per-update training metrics: computed from each batch, written to JSONL + TensorBoard (+ W&B), one log line.
+
+Contract:
+
+* :func:`batch_metrics(trajectories)` -> the trajectory-side numbers of one update (see :data:`METRIC_HELP`).
+* :class:`BatchStatsLearner` wraps a learner so that every ``update(batch)`` also returns those numbers under a
+  ``batch_`` prefix. The loop (:mod:`agentenv.trainer.async_loop`) forwards a learner's scalar stats into its
+  per-update metrics, so the wrapper is how batch-level tool metrics reach ``on_update`` without the loop knowing
+  about tools. Everything else is delegated to the wrapped learner unchanged.
+* :class:`MetricsLogger` takes the loop's per-update dict, normalises names (``learner_batch_x`` -> ``x``,
+  ``learner_x`` -> ``x`` where unambiguous), appends one JSON object per update to ``RUN_DIR/metrics.jsonl`` (the
+  loop's own writer is off when this logger is used, see :mod:`agentenv.train`), writes TensorBoard scalars to
+  ``RUN_DIR/tb/`` and W&B when enabled and installed, and prints ONE greppable line per update starting with
+  ``[update N]``.
+* Tool-call collapse alarm: with ``peak`` = the highest tool share (trajectories with >= 1 tool call) over the last
+  ``window`` updates and ``now`` the mean of the last 3, it warns ``TOOL-CALL COLLAPSE`` once ``now < ratio * peak``
+  (and peak >= 0.2), and sets ``tool_collapse_alarm`` = 1 in that update's metrics. It re-arms after recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import deque
+from pathlib import Path
+from typing import Sequence
+
+from agentenv.trajectory import Trajectory
+
+log = logging.getLogger("agentenv.metrics")
+
+METRIC_HELP: dict[str, str] = {
+    "reward_mean": "mean reward of the trajectories in the update's batch",
+    "success_rate": "share of the batch that solved its task (success_<type>: the same per task type)",
+    "tool_calls_mean": "tool calls per trajectory (every <tool_call> block counts, failed ones too)",
+    "tool_share": "share of trajectories with at least one tool call -- the tool-call rate the collapse alarm watches",
+    "tool_error_rate": "failed tool calls / tool calls (malformed call, unknown tool, crash, timeout, limit hit)",
+    "tool_timeout_rate": "timed-out tool calls / tool calls",
+    "turns_mean": "assistant turns per trajectory",
+    "policy_tokens_mean": "policy-sampled tokens per trajectory (the tokens the loss trains)",
+    "tokens_mean": "all tokens per trajectory (prompt, observations, tool outputs, policy tokens)",
+    "truncation_rate": "share of trajectories cut by a limit (turns, context, max new tokens) -- never success",
+    "acceptance_rate": "share of the batch the sequence trust gate admitted (mean sampled-token KL <= delta)",
+    "seq_kl_mean": "per-trajectory mean sampled-token Bernoulli KL(mu || pi), averaged over the batch (seq_kl_max: max)",
+    "lag_mean": "policy lag in versions: learner version minus the versions that sampled the tokens (lag_max: worst)",
+    "ratio_mean": "token importance ratio pi/mu over retained tokens (ratio_min / ratio_max: extremes)",
+    "entropy_mean": "mean entropy of the current policy on sampled tokens (when computed)",
+    "grad_norm": "gradient norm before clipping",
+    "lr": "learning rate used for the update",
+    "loss": "the surrogate loss value (its gradient is the estimator; the value itself has no meaning to optimise)",
+    "traj_per_s": "trajectories consumed per second of run time",
+    "tokens_per_s": "trajectory tokens consumed per second of run time",
+    "time_generation_s": "seconds sampling this batch's turns (summed over its trajectories)",
+    "time_env_s": "seconds in env reset/step for this batch, tool execution included",
+    "time_learner_s": "seconds of the learner's update",
+    "started/trained/rejected/dropped/interrupted": "trajectory accounting: every started trajectory ends in one bucket",
+    "accounting_balance": "started minus all buckets: must be 0",
+}
+
+
+def batch_metrics(trajs: Sequence[Trajectory]) -> dict:
+    n = max(1, len(trajs))
+    calls = sum(t.num_tool_calls for t in trajs)
+    m = {
+        "reward_mean": sum(t.reward for t in trajs) / n,
+        "success_rate": sum(bool(t.success) for t in trajs) / n,
+        "tool_calls_mean": calls / n,
+        "tool_share": sum(t.num_tool_calls > 0 for t in trajs) / n,
+        "tool_error_rate": sum(t.num_tool_errors for t in trajs) / calls if calls else 0.0,
+        "tool_timeout_rate": sum(t.num_tool_timeouts for t in trajs) / calls if calls else 0.0,
+        "answer_after_tool": sum(bool(t.tool_call_before_answer) for t in trajs) / n,
+        "turns_mean": sum(t.num_turns for t in trajs) / n,
+        "policy_tokens_mean": sum(t.num_policy_tokens for t in trajs) / n,
+        "tokens_mean": sum(len(t.token_ids) for t in trajs) / n,
+        "tokens": sum(len(t.token_ids) for t in trajs),
+        "truncation_rate": sum(bool(t.truncated) for t in trajs) / n,
+        "invalid_actions_mean": sum(t.num_invalid_actions for t in trajs) / n,
+    }
+    by_type: dict[str, list[bool]] = {}
+    for t in trajs:
+        if t.task_type:
+            by_type.setdefault(str(t.task_type), []).append(bool(t.success))
+    for k, v in sorted(by_type.items()):
+        m[f"success_{k}"] = sum(v) / len(v)
+    return m
+
+
+class BatchStatsLearner:
+    """Delegating wrapper: ``update`` returns the learner's stats plus ``batch_*`` trajectory metrics."""
+
+    def __init__(self, learner):
+        self._learner = learner
+
+    def update(self, trajectories):
+        stats = self._learner.update(trajectories)
+        stats.update({f"batch_{k}": v for k, v in batch_metrics(trajectories).items()})
+        return stats
+
+    def __getattr__(self, name):
+        return getattr(self._learner, name)
+
+    def __setattr__(self, name, value):
+        if name == "_learner":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._learner, name, value)
+
+
+_LEARNER_KEEP_PREFIX = {"reward_mean", "policy_version", "step"}  # names the loop already has: keep learner_ prefix
+
+
+def normalise(m: dict) -> dict:
+    """The loop's metrics with batch_/learner_ prefixes folded into plain names (see module docstring)."""
+    out = {}
+    for k, v in m.items():
+        if k.startswith("learner_batch_"):
+            out[k[len("learner_batch_"):]] = v
+    for k, v in m.items():
+        if k.startswith("learner_batch_"):
+            continue
+        if k.startswith("learner_"):
+            short = k[len("learner_"):]
+            if short in _LEARNER_KEEP_PREFIX or short in out or short in m:
+                out.setdefault(k, v)
+            else:
+                out[short] = v
+        elif k not in out:
+            out[k] = v
+    if "tokens" in out and out.get("elapsed_s"):
+        out.setdefault("_tokens_total", 0)
+    return out
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path | None, *, tensorboard: bool = True, wandb: bool = False,
+                 collapse_window: int = 20, collapse_ratio: float = 0.3, config: dict | None = None,
+                 echo=print):
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.echo = echo
+        self.history: list[dict] = []
+        self.window = deque(maxlen=collapse_window)
+        self.collapse_ratio = collapse_ratio
+        self._alarmed = False
+        self._tokens_total = 0
+        self._f = self._tb = self._wandb = None
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    self._tb = SummaryWriter(str(self.run_dir / "tb"))
+                except ImportError as e:  # tensorboard is a base dependency; degrade rather than die
+                    log.warning("TensorBoard unavailable (%s); metrics go to JSONL only", e)
+        if wandb:
+            try:
+                import wandb as _wandb
+
+                self._wandb = _wandb.init(project="agentenv", config=config or {},
+                                          dir=str(self.run_dir) if self.run_dir else None)
+            except ImportError:
+                log.info("wandb not installed; skipping W&B logging")
+
+    # --- per update ---------------------------------------------------------------------------------------------
+    def log_update(self, raw: dict) -> dict:
+        m = normalise(raw)
+        m.pop("_tokens_total", None)
+        self._tokens_total += int(m.get("tokens", 0))
+        if m.get("elapsed_s"):
+            m["tokens_per_s"] = self._tokens_total / m["elapsed_s"]
+        m["tool_collapse_alarm"] = int(self._collapse_check(m.get("tool_share")))
+        self.history.append(m)
+        step = int(m.get("update", len(self.history)))
+        if self._f is not None:
+            self._f.write(json.dumps(m) + "\n")
+            self._f.flush()
+        scalars = {k: float(v) for k, v in m.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(f"train/{k}", v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({f"train/{k}": v for k, v in scalars.items()}, step=step)
+        if self.echo is not None:
+            self.echo(format_line(m))
+        return m
+
+    def _collapse_check(self, share) -> bool:
+        if share is None:
+            return False
+        self.window.append(float(share))
+        peak = max(self.window)
+        recent = list(self.window)[-3:]
+        now = sum(recent) / len(recent)
+        collapsed = len(self.window) >= 3 and peak >= 0.2 and now < self.collapse_ratio * peak
+        if collapsed and not self._alarmed:
+            log.warning("TOOL-CALL COLLAPSE: tool-call rate %.2f is below %.0f%% of its recent peak %.2f (last %d "
+                        "updates). The policy is learning to answer without tools -- the failure the paper reports for "
+                        "GRPO. Check the reward (does the tool pay?), the trust gate (acceptance_rate) and lr.",
+                        now, 100 * self.collapse_ratio, peak, len(self.window))
+        self._alarmed = collapsed
+        return collapsed
+
+    def log_eval(self, step: int, name: str, summary: dict) -> None:
+        rec = {"event": "eval", "update": step, "split": name, **summary}
+        if self.run_dir is not None:
+            with open(self.run_dir / "eval.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            for k, v in summary.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"eval/{name}/{k}", float(v), step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({f"eval/{name}/{k}": v for k, v in summary.items() if isinstance(v, (int, float))}, step=step)
+        if self.echo is not None:
+            self.echo(f"[eval update={step} split={name}] " + " ".join(
+                f"{k}={_fmt(v)}" for k, v in summary.items() if isinstance(v, (int, float))))
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+LINE_KEYS = (("reward_mean", "reward"), ("success_rate", "success"), ("tool_share", "tool_rate"),
+             ("tool_calls_mean", "tool_calls"), ("tool_error_rate", "tool_err"), ("turns_mean", "turns"),
+             ("policy_tokens_mean", "len"), ("truncation_rate", "trunc"), ("acceptance_rate", "accept"),
+             ("seq_kl_mean", "kl"), ("lag_mean", "lag"), ("lag_max", "lag_max"), ("entropy_mean", "ent"),
+             ("grad_norm", "gnorm"), ("lr", "lr"), ("traj_per_s", "traj/s"), ("tokens_per_s", "tok/s"),
+             ("time_generation_s", "t_gen"), ("time_env_s", "t_env"), ("time_learner_s", "t_learn"),
+             ("started", "started"), ("trained", "trained"), ("rejected", "rejected"), ("dropped", "dropped"))
+
+
+def format_line(m: dict) -> str:
+    parts = [f"[update {m.get('update', '?')}]"]
+    for key, short in LINE_KEYS:
+        if key in m:
+            parts.append(f"{short}={_fmt(m[key])}")
+    if m.get("tool_collapse_alarm"):
+        parts.append("ALARM=tool_collapse")
+    return " ".join(parts)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.3g}" if abs(v) < 1e-2 and v != 0 else f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The per-update records of a run (skips shutdown/eval events and lines the loop wrote itself)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: is {run_dir} a run directory?")
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "event" in rec or "update" not in rec:
+            continue
+        out.append(rec)
+    return out
