@@ -22,9 +22,9 @@ import time
 
 import gymnasium as gym
 import numpy as np
+from agentenv.trainer.async_loop import TrainConfig, Trainer
 
 from agentenv.runtime import RolloutConfig, Task
-from agentenv.trainer.async_loop import Trainer, TrainConfig
 
 _LAT_LOCK = threading.Lock()
 LATENCIES: list[float] = []
@@ -33,7 +33,7 @@ LATENCIES: list[float] = []
 class SlowEnv(gym.Env):
     """A text env whose steps take a heavy-tailed time. Reward 1 on the last turn with probability 1/2."""
 
-    metadata: dict = {}
+    metadata = {"render_modes": []}  # noqa: RUF012 -- gymnasium's class attribute
 
     def __init__(self, median_s: float, sigma: float, turns: int):
         self.median_s, self.sigma, self.turns = median_s, sigma, turns

@@ -13,11 +13,16 @@ import time
 
 import gymnasium as gym
 import pytest
+from agentenv.trainer.async_loop import (
+    GymEnvFactory,
+    PromptSampler,
+    TrainConfig,
+    Trainer,
+    WorkerCrash,
+)
 
 from agentenv.policy import SamplingParams
 from agentenv.runtime import RolloutConfig, Task
-from agentenv.trainer.async_loop import (GymEnvFactory, PromptSampler, Trainer, TrainConfig,
-                                         WorkerCrash)
 
 torch = pytest.importorskip("torch")
 
@@ -108,7 +113,7 @@ def test_config_errors_are_clear():
 def test_async_runs_updates_measures_lag_and_writes_logs(tiny, tmp_path):
     learner = make_learner(tiny)
     seen = []
-    tr, s = run(cfg(queue_size=2, total_updates=4, run_dir=str(tmp_path)), tiny, learner, on_update=seen.append)
+    _, s = run(cfg(queue_size=2, total_updates=4, run_dir=str(tmp_path)), tiny, learner, on_update=seen.append)
     assert s["updates"] == 4 and learner.step == 4 and learner.policy_version == 4
     assert [m["update"] for m in seen] == [1, 2, 3, 4]
     for m in seen:
@@ -194,7 +199,7 @@ class HangOnSeed(gym.Wrapper):
 def test_crashing_env_takes_down_one_worker_and_the_run_goes_on(tiny):
     learner = make_learner(tiny)
     tasks = [Task(seed=100)] * 2 + [Task(seed=i) for i in range(10)]
-    tr, s = run(cfg(total_updates=3), tiny, learner, tasks=tasks, env=lambda: CrashOnSeed(ENV(), {100}))
+    _, s = run(cfg(total_updates=3), tiny, learner, tasks=tasks, env=lambda: CrashOnSeed(ENV(), {100}))
     assert s["updates"] == 3
     assert s["worker_restarts"] >= 1 and s["dropped_worker_crash"] >= 2  # the two crashing episodes at least
     books_balance(s)
@@ -210,7 +215,7 @@ def test_hanging_env_is_timed_out_and_counted(tiny):
         if m["dropped_env_timeout"] >= 1 and m["update"] >= 2:
             holder["tr"].request_stop()
 
-    env = lambda: HangOnSeed(ENV(), {1, 5})  # noqa: E731
+    env = lambda: HangOnSeed(ENV(), {1, 5})
     tr = Trainer(cfg(total_updates=30, episode_timeout_s=1.0), make_env=env, make_policy=TinyPolicyFactory(tiny), learner=learner,
                  tasks=tasks, on_update=on_update)
     holder["tr"] = tr
@@ -225,7 +230,7 @@ def test_hanging_env_is_timed_out_and_counted(tiny):
 def test_max_staleness_drops_stale_trajectories(tiny):
     learner = make_learner(tiny)
     seen = []
-    tr, s = run(cfg(total_updates=3, queue_size=3, max_staleness=0), tiny, learner, on_update=seen.append)
+    _, s = run(cfg(total_updates=3, queue_size=3, max_staleness=0), tiny, learner, on_update=seen.append)
     assert s["updates"] == 3
     assert all(m["lag_max"] == 0 for m in seen)  # nothing older than the learner's version was trained
     assert s["dropped_stale"] >= 1
@@ -272,7 +277,7 @@ def test_sigint_stops_cleanly_and_resume_continues_step_and_data_order(tiny, tmp
 def test_sync_grpo_waits_for_whole_groups(tiny, tmp_path):
     learner = make_learner(tiny, loss="grpo")
     seen = []
-    tr, s = run(cfg(mode="sync_grpo", batch_size=4, group_size=2, total_updates=2, run_dir=str(tmp_path)),
+    _, s = run(cfg(mode="sync_grpo", batch_size=4, group_size=2, total_updates=2, run_dir=str(tmp_path)),
                 tiny, learner, on_update=seen.append)
     assert s["updates"] == 2 and learner.step == 2
     assert all(m["lag_max"] == 0 for m in seen)  # on-policy: nothing is generated while the learner runs

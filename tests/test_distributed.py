@@ -10,10 +10,10 @@ import socket
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from agentenv.trajectory import Trajectory  # noqa: E402
+from agentenv.trajectory import Trajectory
 
 
 def small_model():
@@ -97,6 +97,6 @@ def test_rank_rows_cover_the_batch_once():
     from agentenv.trainer.distributed import rank_rows
 
     rows = [rank_rows(7, r, 3) for r in range(3)]
-    assert sorted(sum(rows, [])) == list(range(7))
+    assert sorted(r for part in rows for r in part) == list(range(7))
     with pytest.raises(ValueError, match="batch_size >= world size"):
         rank_rows(1, 0, 2)

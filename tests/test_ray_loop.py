@@ -13,18 +13,24 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'agentenv[ray]')")
 
-from agentenv.policy import SamplingParams  # noqa: E402
-from agentenv.runtime import RolloutConfig, Task  # noqa: E402
-from agentenv.trainer.async_loop import GymEnvFactory, HFPolicyFactory, Trainer, TrainConfig  # noqa: E402
+from agentenv.trainer.async_loop import (
+    GymEnvFactory,
+    HFPolicyFactory,
+    TrainConfig,
+    Trainer,
+)
+
+from agentenv.policy import SamplingParams
+from agentenv.runtime import RolloutConfig, Task
 
 pytestmark = pytest.mark.ray
 
 
 def test_ray_backend_trains_survives_actor_kill_and_cleans_up():
+    from agentenv.trainer.learner import Learner, LearnerConfig
     from transformers import AutoModelForCausalLM
 
     from agentenv.models import resolve_model
-    from agentenv.trainer.learner import Learner, LearnerConfig
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     assert not ray.is_initialized()

@@ -58,10 +58,11 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -542,6 +543,9 @@ class Trainer:
                      cfg.mode, cfg.backend, self.step, self.learner.policy_version, cfg.batch_size, cfg.queue_size,
                      cfg.num_workers, cfg.concurrency)
             while not self._stop.is_set() and self.step < cfg.total_updates:
+                if not cfg.restart_workers and not self._alive_workers() and not self._inflight and pending is None:
+                    raise RuntimeError("every rollout worker has died and restart_workers=False: nothing can "
+                                       "produce trajectories (see the 'worker=... died' log lines)")
                 if pending is None:
                     batch = self._take_batch()
                     if batch is not None:
@@ -598,6 +602,8 @@ class Trainer:
         if group_id is not None:
             task = Task(seed=task.seed, options=task.options, meta={**task.meta, "group_id": group_id})
         self._inflight[eid] = _InFlight(wid, prompt, time.perf_counter(), group_id)
+        if group_id is not None:
+            self._round.add(eid)  # before submit: a failed submit resolves (drops) it at once
         self.counters.started += 1
         self.counters.in_flight += 1
         self.issued.append(prompt)
@@ -624,10 +630,8 @@ class Trainer:
                 self._round_queue.extend([(p, gid)] * self.cfg.group_size)
         while self._round_queue:
             p, gid = self._round_queue[0]
-            eid = self.next_eid
             if not self._start(p, gid):
                 break
-            self._round.add(eid)
             self._round_queue.pop(0)
 
     def _start_or_requeue(self, prompt: int) -> bool:
@@ -838,7 +842,7 @@ class Trainer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
-        self._metrics_f = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._metrics_f = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 -- run-long
         if self.cfg.save_trajectories:
             self._writer = JsonlWriter(self.run_dir / "trajectories.jsonl", append=True)
 

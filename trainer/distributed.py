@@ -25,8 +25,8 @@ needs an explicit unshard before it can run on a sharded model.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ class DistInfo:
 
 def init_distributed(backend: str | None = None) -> DistInfo:
     """Join (or reuse) the default process group from torchrun-style env vars."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", rank))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
@@ -89,7 +89,10 @@ def shard_model(model: torch.nn.Module, *, layers: Sequence[torch.nn.Module] | N
 
 def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Collective. Rank 0: the full CPU state dict (for publishing); other ranks: ``{}``. Plain modules pass through."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     if not dist.is_initialized():
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

@@ -5,7 +5,7 @@ decision (what to start where, batching, staleness, timeouts, accounting); this 
 
 * Each actor (:class:`RayRolloutWorker`) owns its sampler -- ``make_policy(worker_index)``: an HFPolicy on CPU here,
   a vLLM engine on a GPU cluster (give the actor ``worker_num_gpus``) -- its envs and a
-  :class:`~agentenv.async_loop.RolloutWorker` (the same class the local backend runs), so env workers live in the
+  :class:`~agentenv.trainer.async_loop.RolloutWorker` (the same class the local backend runs), so env workers live in the
   actor's process next to their sampler. Actors are threaded (``max_concurrency``): a long ``poll`` never blocks
   ``submit`` / ``cancel`` / ``load_weights``.
 * Weight sync: :meth:`RayBackend.publish` does ONE ``ray.put`` of the learner's full (CPU) state dict and every actor
@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from agentenv.runtime import Batcher, RolloutConfig, Task
 
@@ -113,8 +113,8 @@ class RayBackend:
         log.info("ray backend: %d rollout actors up (pids %s)", len(pids), pids)
 
     def _spawn(self, i: int) -> _Handle:
-        opts = dict(num_cpus=self.cfg.worker_num_cpus, num_gpus=self.cfg.worker_num_gpus,
-                    max_concurrency=self.cfg.concurrency + 8, max_restarts=0)
+        opts = {"num_cpus": self.cfg.worker_num_cpus, "num_gpus": self.cfg.worker_num_gpus,
+                "max_concurrency": self.cfg.concurrency + 8, "max_restarts": 0}
         return _Handle(self._cls.options(**opts).remote(i, self.make_env, self.make_policy, self.cfg.rollout))
 
     def submit(self, wid: int, eid: int, task: Task) -> None:
