@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     timings(args.data_dir, args.timing_games)
     if args.skip_eval:
         return 0
-    results = evaluate(ALFWorldExpert(), ("valid_seen", "valid_unseen"), k=args.k, data_dir=args.data_dir, concurrency=args.concurrency)
+    results = evaluate(ALFWorldExpert(), ("valid_seen", "valid_unseen"), k=args.k, data_dir=args.data_dir,
+                       concurrency=args.concurrency, progress=True)
     all_won = True
     for split, r in results.items():
         trajs = r["trajectories"]

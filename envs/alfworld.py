@@ -6,7 +6,8 @@ Contract
   ``textworld.start(game.tw-pddl)`` with alfworld's ``AlfredDemangler`` (object names such as ``desk 1``, no
   shuffling) and ``AlfredInfos`` wrappers, requesting ``won`` and ``admissible_commands``.
 * Data root (a folder holding ``json_2.1.1/<split>/<task>/<trial>/game.tw-pddl`` and ``logic/``): the ``data_dir``
-  argument, else ``$ALFWORLD_DATA``, else the small sample shipped in ``envs/data/alfworld_sample``. A split missing
+  argument, else ``$ALFWORLD_DATA``, else ``~/.cache/alfworld`` if ``alfworld-download`` filled it, else the small
+  sample shipped in ``envs/data/alfworld_sample`` (24 games, 4 per task type). A split missing
   from the root is a :class:`ALFWorldDataError` that says how to get the data. Splits: ``train``, ``valid_seen``
   (alias ``seen``, 140 games), ``valid_unseen`` (alias ``unseen``, 134 games), ``valid_train``. A split's games are
   the ones ``AlfredTWEnv`` collects (a ``traj_data.json`` next to the game, marked solvable, no movable/sliced
@@ -51,7 +52,6 @@ GAMES_SUBDIR = "json_2.1.1"
 GAME_FILE = "game.tw-pddl"
 TRAJ_FILE = "traj_data.json"
 _ALFWORLD_DEFAULT_CACHE = Path("~/.cache/alfworld").expanduser()  # alfworld.info's default for $ALFWORLD_DATA
-_warned_sample: list = []
 log = logging.getLogger(__name__)
 
 SPLITS = {
@@ -101,28 +101,34 @@ def _how_to_get_data(what: str) -> str:
 
 
 def resolve_data_root(data_dir: str | os.PathLike | None = None) -> Path:
-    """The data root to use: ``data_dir``, else ``$ALFWORLD_DATA``, else the shipped sample.
+    """The data root to use: ``data_dir``, else ``$ALFWORLD_DATA``, else ``~/.cache/alfworld`` when
+    ``alfworld-download`` has put games there, else the shipped sample.
 
     A folder that is itself ``json_2.1.1`` is accepted too (its parent is the root)."""
     env_value = os.environ.get(DATA_ENV_VAR)
-    # Importing alfworld sets $ALFWORLD_DATA to its download cache when unset (alfworld/info.py), so that value
-    # without games in it says nothing about the user's intent.
-    if env_value and Path(env_value).expanduser() == _ALFWORLD_DEFAULT_CACHE and not (_ALFWORLD_DEFAULT_CACHE / GAMES_SUBDIR).is_dir():
+    # Importing alfworld sets $ALFWORLD_DATA to its download cache when unset (alfworld/info.py), so that value is
+    # treated as the download-cache step below: the answer must not depend on whether alfworld was imported yet.
+    if env_value and Path(env_value).expanduser() == _ALFWORLD_DEFAULT_CACHE:
         env_value = None
     if data_dir is not None:
         source, root = "data_dir", Path(data_dir).expanduser()
     elif env_value:
         source, root = f"${DATA_ENV_VAR}", Path(env_value).expanduser()
+    elif (_ALFWORLD_DEFAULT_CACHE / GAMES_SUBDIR).is_dir():
+        return _ALFWORLD_DEFAULT_CACHE.resolve()
     else:
-        if not _warned_sample:
-            _warned_sample.append(True)
-            log.warning("ALFWorld: no data_dir and no $%s; using the 24-game sample shipped in %s", DATA_ENV_VAR, SAMPLE_DIR)
+        _warn_sample_once()
         return SAMPLE_DIR
     if root.name == GAMES_SUBDIR and not (root / GAMES_SUBDIR).is_dir():
         root = root.parent
     if not (root / GAMES_SUBDIR).is_dir():
         raise ALFWorldDataError(_how_to_get_data(f"{source}={str(root)!r} has no {GAMES_SUBDIR}/ folder."))
     return root.resolve()
+
+
+@lru_cache(maxsize=1)
+def _warn_sample_once() -> None:
+    log.warning("ALFWorld: no data_dir, $%s or downloaded games; using the 24-game sample in %s", DATA_ENV_VAR, SAMPLE_DIR)
 
 
 def canonical_split(split: str) -> str:
@@ -163,6 +169,8 @@ def list_games(split: str, data_dir: str | os.PathLike | None = None, task_types
         if unknown:
             raise ValueError(f"unknown task types {sorted(unknown)}; expected some of {sorted(TASK_TYPES.values())}")
         games = [g for g in games if _task_type_from_path(g) in wanted]
+        if not games:
+            raise ALFWorldDataError(f"split {split!r} in {root} has no games of task types {sorted(wanted)}")
     return games
 
 
@@ -436,6 +444,7 @@ def evaluate(
     invalid_action_budget: int | None = 10,
     concurrency: int = 1,
     rollout_config=None,
+    progress: bool = False,
 ) -> dict:
     """Play every game of each split ``k`` times with ``policy`` through :mod:`agentenv.runtime` and return
     ``{split: success_report(...) + {"trajectories": [...], "wall_time_s": ...}}``.
@@ -459,7 +468,7 @@ def evaluate(
 
         tasks = evaluation_tasks(split, k, data_dir)
         t0 = time.perf_counter()
-        trajs = run_episodes(make_env, policy, len(tasks), cfg, tasks=tasks)
+        trajs = run_episodes(make_env, policy, len(tasks), cfg, tasks=tasks, progress=progress)
         trajs.sort(key=lambda t: (t.meta["game"], t.meta["sample"]))  # the runtime yields in completion order
         out[split] = {**success_report(trajs), "trajectories": trajs, "wall_time_s": time.perf_counter() - t0}
     return out
