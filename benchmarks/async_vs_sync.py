@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log every update")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    logging.getLogger("agentenv.runtime").setLevel(logging.ERROR)  # episodes cancelled at shutdown are expected
 
     slots = args.workers * args.concurrency
     print(f"workers={args.workers} concurrency={args.concurrency} (slots={slots}) batch={slots} G={args.group_size} "
