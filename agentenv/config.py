@@ -289,6 +289,9 @@ def load_config(preset: str | Path | dict = "demo", variants: list[str] | tuple 
         path = find_preset(str(preset))
         data, name = read_yaml(path), path.stem
     available = data.pop("variants", None) or {}
+    recorded: list = []
+    if isinstance(available, list):  # a resolved config (run_dir/config.yaml) records the variants it applied
+        recorded, available = [str(v) for v in available], {}
     if not isinstance(available, dict):
         raise ConfigError(f"preset {name}: 'variants' must be a mapping name -> overrides")
     for v in variants:
@@ -302,7 +305,7 @@ def load_config(preset: str | Path | dict = "demo", variants: list[str] | tuple 
         path, value = parse_override(item)
         apply_override(data, path, value)
     data.setdefault("preset", name)
-    data["variants"] = list(variants)
+    data["variants"] = recorded + list(variants)
     return validate(data)
 
 
