@@ -18,35 +18,51 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-DEFAULT_CHUNK = 512  # 512 x 151,665 float32 logits = 0.31 GB per live chunk
+DEFAULT_CHUNK = 512  # 512 x 151,665 float32 logits = 0.31 GB buffer (two with entropies)
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    z = h @ weight.T
+def _chunk_logits(buf: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """Logits of the chunk ``h`` written into the reused buffer ``buf`` (float32/64). Reusing one buffer per pass
+    avoids allocating -- and page-faulting -- a fresh chunk x V block for every chunk."""
+    out = buf[: h.shape[0]]
+    if weight.dtype == out.dtype:
+        torch.matmul(h, weight.T, out=out)
+    else:  # bf16 matmul as autocast would do it; the softmax below runs in float32
+        out.copy_(h @ weight.T)
     if bias is not None:
-        z = z + bias
-    z = z.double() if z.dtype == torch.float64 else z.float()  # half precision never reaches logsumexp
-    return z / temperature if temperature != 1.0 else z
+        out.add_(bias)
+    if temperature != 1.0:
+        out.div_(temperature)
+    return out
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, with_entropy):
-        n = hidden.shape[0]
-        logp = torch.empty(n, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+        n, vocab = hidden.shape[0], weight.shape[0]
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # half precision never reaches exp/log
+        logp = torch.empty(n, dtype=acc, device=hidden.device)
         lse = torch.empty_like(logp)
         ent = torch.zeros_like(logp)
+        zbuf = torch.empty(min(chunk_size, n), vocab, dtype=acc, device=hidden.device)
+        ebuf = torch.empty_like(zbuf) if with_entropy else None
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly by the caller
             for s in range(0, n, chunk_size):
-                z = _chunk_logits(hidden[s:s + chunk_size], weight, bias, temperature)
-                lse[s:s + chunk_size] = torch.logsumexp(z, dim=-1)
-                logp[s:s + chunk_size] = z.gather(1, targets[s:s + chunk_size, None]).squeeze(1) - lse[s:s + chunk_size]
-                if with_entropy:
-                    p = torch.softmax(z, dim=-1)
-                    ent[s:s + chunk_size] = lse[s:s + chunk_size] - (p * z).sum(dim=-1)
-                    del p
-                del z
-        logp.clamp_(max=0.0)  # rounding can leave z_t - lse at +1e-7; the gradient below is the unclamped one
+                e = min(n, s + chunk_size)
+                z = _chunk_logits(zbuf, hidden[s:e], weight, bias, temperature)
+                target_logit = z.gather(1, targets[s:e, None]).squeeze(1)
+                zmax = z.amax(dim=1, keepdim=True)
+                z.sub_(zmax)  # z' = z - max <= 0: exp cannot overflow
+                if with_entropy:  # H = log S - sum(exp(z') z') / S with S = sum exp(z')
+                    ex = torch.exp(z, out=ebuf[: e - s])
+                    total = ex.sum(dim=1)
+                    ent[s:e] = total.log() - ex.mul_(z).sum(dim=1) / total
+                else:
+                    total = z.exp_().sum(dim=1)
+                lse[s:e] = zmax.squeeze(1) + total.log()
+                logp[s:e] = target_logit - lse[s:e]
+        del zbuf, ebuf
+        logp.clamp_(max=0.0)  # never positive (log S >= 0); the clamp only guards the last ulp
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.chunk_size, ctx.temperature = chunk_size, temperature
         ctx.mark_non_differentiable(ent)
@@ -56,29 +72,32 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logp, _grad_ent):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         c, temp = ctx.chunk_size, ctx.temperature
+        n, acc = hidden.shape[0], lse.dtype
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.zeros_like(hidden) if need_h else None
-        acc = lse.dtype  # float32, or float64 for float64 inputs
+        grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        zbuf = torch.empty(min(c, n), weight.shape[0], dtype=acc, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
-            for s in range(0, hidden.shape[0], c):
-                h, g = hidden[s:s + c], grad_logp[s:s + c].to(acc)
-                z = _chunk_logits(h, weight, bias, temp)
-                # d log p_target / d z = onehot(target) - softmax(z); scaled by upstream grad and 1/temperature
-                gz = torch.exp(z - lse[s:s + c, None]).mul_(-g[:, None])
-                gz.scatter_add_(1, targets[s:s + c, None], g[:, None])
+            for s in range(0, n, c):
+                e = min(n, s + c)
+                h, g = hidden[s:e], grad_logp[s:e].to(acc)
+                # d log p_target / d z = onehot(target) - softmax(z), times the upstream grad (and 1/temperature)
+                gz = _chunk_logits(zbuf, h, weight, bias, temp)
+                gz.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])
+                gz.scatter_add_(1, targets[s:e, None], g[:, None])
                 if temp != 1.0:
                     gz.div_(temp)
-                del z
-                gz_lo = gz.to(hidden.dtype)
+                gz_lo = gz if gz.dtype == hidden.dtype else gz.to(hidden.dtype)
                 if need_h:
-                    grad_h[s:s + c] = gz_lo @ weight.to(hidden.dtype)
+                    torch.matmul(gz_lo, weight, out=grad_h[s:e])
                 if need_w:
-                    grad_w += (gz_lo.T @ h).to(acc)
+                    if grad_w.dtype == h.dtype:
+                        grad_w.addmm_(gz_lo.T, h)
+                    else:
+                        grad_w += (gz_lo.T @ h).to(acc)
                 if need_b:
                     grad_b += gz.sum(0)
-                del gz, gz_lo
         return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
                 None, None, None, None)
 
@@ -141,6 +160,9 @@ def token_log_probs(
         raise ValueError("action_mask[:, 0] is True: the first token has no context to be predicted from")
     body, head = model.get_decoder(), model.get_output_embeddings()
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # the lm_head matmul in the autocast dtype, as model(...) would do it
+        hidden = hidden.to(torch.get_autocast_dtype(device_type))
     predict = action_mask[:, 1:]  # hidden[:, t-1] predicts token t
     logp, ent = chunked_log_probs(
         hidden[:, :-1][predict], head.weight, input_ids[:, 1:][predict], bias=head.bias,
