@@ -303,3 +303,28 @@ def test_microbatches_cover_every_row_once_within_budget(base):
             assert len(g) == 1 or len(g) * width <= budget
             assert torch.equal(mb.action_mask, batch.action_mask[g, :width])
     assert len(microbatches(batch, 10**6)) == 1 and len(microbatches(batch, 1)) == 9
+
+
+def test_bf16_autocast_path_runs_on_cpu(base):
+    """The GPU path's dtype handling (bf16 body and lm_head, float32 softmax and loss), exercised on CPU."""
+    trajs = make_trajectories(base, 4, seed=11)
+    batch = collate(trajs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent = token_log_probs(base, batch.input_ids, batch.attention_mask, batch.action_mask, with_entropy=True)
+    ref, _ = token_log_probs(base, batch.input_ids, batch.attention_mask, batch.action_mask)
+    assert lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(lp, ref, rtol=0.02, atol=0.05)
+    learner = Learner(copy.deepcopy(base), LearnerConfig(autocast="bf16"))
+    stats = learner.update(trajs)
+    assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    assert all(p.dtype == torch.float32 for p in learner.model.parameters())
+
+
+def test_sampling_temperature_must_match(base):
+    trajs = make_trajectories(base, 2, seed=12)
+    trajs[1].sampling = {"temperature": 0.7}
+    learner = Learner(copy.deepcopy(base))
+    with pytest.raises(ValueError, match="temperature 0.7"):
+        learner.update(trajs)
+    stats = Learner(copy.deepcopy(base), LearnerConfig(temperature=0.7, no_trust=True)).update(trajs[1:])
+    assert stats["step"] == 1

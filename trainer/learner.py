@@ -118,6 +118,11 @@ class Learner:
         cfg = self.config
         keys = [trajectory_key(t) for t in trajectories]
         self._check_fresh(keys)
+        for t in trajectories:  # pi_theta must be evaluated at the temperature mu was sampled at, or rho is biased
+            temp = (t.sampling or {}).get("temperature")
+            if isinstance(temp, (int, float)) and temp > 0 and not math.isclose(temp, cfg.temperature):
+                raise ValueError(f"trajectory {t.id!r} was sampled at temperature {temp} but the learner evaluates "
+                                 f"log-probs at LearnerConfig.temperature={cfg.temperature}")
         batch = collate(trajectories, pad_token_id=self.pad_token_id, failure_threshold=cfg.failure_threshold)
         full = batch.full_batch()
         filtering = cfg.loss == "flashreinforce" and cfg.negative_token_fraction < 1.0
