@@ -40,9 +40,10 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from agentenv.envs.base import TextEnv
 
@@ -189,25 +190,29 @@ def parse_action(text: str) -> str | None:
     return command or None
 
 
+# textworld is not thread-safe: its grammar and PDDL parsers are module-global tatsu parser objects, and
+# fast-downward's translator writes module-global options and sys.argv. The runtime steps envs on several threads, so
+# every call into textworld goes through this one lock (that work holds the GIL anyway: little throughput is lost).
+_TEXTWORLD_LOCK = threading.RLock()
+
+
 @lru_cache(maxsize=1)
 def _install_translation_memo() -> None:
-    """Replace ``fast_downward.pddl2sas`` (process-wide, once) by a memoized, serialized version.
+    """Replace ``fast_downward.pddl2sas`` (process-wide, once) by a memoized version.
 
     Why: the PDDL-to-SAS translation is ~90% of a reset and textworld runs it four times per new game (twice in
     ``load``, twice in ``reset``) on the same inputs; its result is only read afterwards, so reusing it is exact.
-    The lock is needed even without the memo: the original writes module-global translate options and ``sys.argv``,
-    so two envs resetting on different threads (the runtime's RolloutEngine) could translate with each other's
-    options."""
+    Its callers here hold ``_TEXTWORLD_LOCK``; the memo takes it too for any other caller."""
     import fast_downward
 
-    original, lock = fast_downward.pddl2sas, threading.Lock()
+    original = fast_downward.pddl2sas
 
     @lru_cache(maxsize=64)
     def _translate(domain: str, problem: str, verbose: bool, optimize: bool):
         return original(domain, problem, verbose=verbose, optimize=optimize)
 
     def pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
-        with lock:
+        with _TEXTWORLD_LOCK:
             return _translate(domain, problem, verbose, optimize)
 
     fast_downward.pddl2sas = pddl2sas
@@ -256,7 +261,10 @@ class ALFWorldEnv(TextEnv):
     def _textworld_env(self):
         if self._tw_env is None:
             import textworld
-            from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+            from alfworld.agents.environment.alfred_tw_env import (
+                AlfredDemangler,
+                AlfredInfos,
+            )
             from textworld.envs.pddl import PddlEnv
 
             _install_translation_memo()
@@ -292,7 +300,11 @@ class ALFWorldEnv(TextEnv):
     # --------------------------------------------------------------------------------------------- gym interface
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
         super().reset(seed=seed)
-        options = options or {}
+        with _TEXTWORLD_LOCK:
+            return self._reset(options or {})
+
+    def _reset(self, options: dict) -> tuple[str, dict]:
+        self._done = True  # until this reset has succeeded
         if "game" in options:
             path = self._resolve_game(options["game"])
         else:
@@ -327,6 +339,10 @@ class ALFWorldEnv(TextEnv):
             raise RuntimeError("step() called on a finished or never-started ALFWorld episode; call reset() first")
         if not isinstance(action, str):
             raise TypeError(f"action must be the assistant's message text (str), got {type(action).__name__}")
+        with _TEXTWORLD_LOCK:
+            return self._step(action)
+
+    def _step(self, action: str) -> tuple[str, float, bool, bool, dict]:
         self._turn += 1
         commands = self._state.admissible_commands
         command = parse_action(action)
@@ -334,10 +350,9 @@ class ALFWorldEnv(TextEnv):
         if invalid:
             self._invalid += 1
             if command is None:
-                why = "Invalid action: your reply has no <action>...</action> tag. Nothing happens."
+                text = "Invalid action: your reply has no <action>...</action> tag. Nothing happens."
             else:
-                why = f'Invalid action: "{command}" is not one of the admissible actions. Nothing happens.'
-            text = why
+                text = f'Invalid action: "{command}" is not one of the admissible actions. Nothing happens.'
         else:
             self._play(command)
             text = self._state.feedback.strip()
@@ -363,7 +378,8 @@ class ALFWorldEnv(TextEnv):
 
     def close(self) -> None:
         if self._tw_env is not None:
-            self._tw_env.close()
+            with _TEXTWORLD_LOCK:
+                self._tw_env.close()
             self._tw_env = None
             self._loaded_game = None
         super().close()

@@ -10,12 +10,14 @@ for whoever builds the env (``agentenv.envs.alfworld.evaluate``, the CLI).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class ALFWorldExpert:
     """Plays the env's expert action. ``name`` is what trajectories record as the model."""
 
     name = "expert"
-    env_kwargs = {"expert": True}  # what the env must be built with for this policy (read by evaluate() / the CLI)
+    env_kwargs: ClassVar[dict] = {"expert": True}  # what the env must be built with for this policy (read by evaluate() / the CLI)
 
     def act(self, messages: list[dict], info: dict) -> str:
         if "expert_action" not in info:
