@@ -32,7 +32,7 @@ from torch import Tensor
 from agentenv.trajectory import Trajectory
 
 from . import checkpoint as ckpt
-from .batch import Batch, collate, microbatches
+from .batch import collate, microbatches
 from .logprobs import DEFAULT_CHUNK, token_log_probs
 from .loss import flashreinforce_loss, group_advantages, grpo_loss
 from .schedule import Schedule
