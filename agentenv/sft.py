@@ -143,7 +143,7 @@ def train_sft(model, demos: Sequence[Trajectory], cfg: SFTConfig = SFTConfig(), 
                 opt.step()
                 sched.step()
                 step += 1
-                losses.append(float(loss))
+                losses.append(loss.item())
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{losses[-1]:.3f}")

@@ -1,0 +1,89 @@
+"""Batch metrics, the JSONL/TensorBoard logger, the collapse alarm and the plots, on real Trajectory objects."""
+
+import json
+import logging
+
+from agentenv.metrics import BatchStatsLearner, MetricsLogger, batch_metrics, format_line, normalise, read_metrics
+from agentenv.plot import ascii_curve, plot_runs
+from agentenv.trajectory import Trajectory
+
+
+def traj(calls=0, errors=0, timeouts=0, success=False, ttype="a", truncated=False, n_policy=3):
+    return Trajectory(token_ids=[1] * (n_policy + 2), action_mask=[False, False] + [True] * n_policy,
+                      behavior_logprobs=[0.0, 0.0] + [-0.1] * n_policy, policy_version=[-1, -1] + [0] * n_policy,
+                      num_tool_calls=calls, num_tool_errors=errors, num_tool_timeouts=timeouts, success=success,
+                      reward=float(success), task_type=ttype, truncated=truncated, num_turns=calls + 1)
+
+
+def test_batch_metrics_values():
+    m = batch_metrics([traj(2, 1, 1, True, "a"), traj(0, 0, 0, False, "b", truncated=True), traj(1, 0, 0, True, "a"),
+                       traj()])
+    assert m["success_rate"] == 0.5 and m["reward_mean"] == 0.5
+    assert m["tool_calls_mean"] == 0.75 and m["tool_share"] == 0.5
+    assert m["tool_error_rate"] == 1 / 3 and m["tool_timeout_rate"] == 1 / 3
+    assert m["truncation_rate"] == 0.25 and m["policy_tokens_mean"] == 3
+    assert m["success_a"] == 2 / 3 and m["success_b"] == 0.0
+
+
+def test_normalise_folds_prefixes():
+    m = normalise({"update": 3, "reward_mean": 0.5, "learner_reward_mean": 0.4, "learner_grad_norm": 1.0,
+                   "learner_batch_tool_share": 0.25, "learner_seq_kl_mean": 1e-4})
+    assert m["tool_share"] == 0.25 and m["grad_norm"] == 1.0 and m["seq_kl_mean"] == 1e-4
+    assert m["reward_mean"] == 0.5 and m["learner_reward_mean"] == 0.4
+
+
+class _Counting:
+    """Any object with ``update``: the wrapper is generic (the real Learner path runs in test_demo)."""
+
+    policy_version = 7
+
+    def update(self, trajs):
+        return {"loss": 0.0}
+
+
+def test_batch_stats_learner_adds_batch_metrics_and_delegates():
+    w = BatchStatsLearner(_Counting())
+    out = w.update([traj(1, success=True), traj()])
+    assert out["batch_tool_share"] == 0.5 and out["loss"] == 0.0
+    assert w.policy_version == 7
+    w.policy_version = 8
+    assert w._learner.policy_version == 8
+
+
+def test_logger_jsonl_tensorboard_line_and_collapse_alarm(tmp_path, caplog):
+    lines = []
+    lg = MetricsLogger(tmp_path, collapse_window=10, collapse_ratio=0.3, echo=lines.append)
+    shares = [0.2, 0.6, 0.8, 0.8, 0.7, 0.1, 0.05, 0.0, 0.0]
+    with caplog.at_level(logging.WARNING, logger="agentenv.metrics"):
+        for i, s in enumerate(shares, 1):
+            lg.log_update({"update": i, "elapsed_s": float(i), "learner_batch_tool_share": s,
+                           "learner_batch_tokens": 100, "success_rate": 0.5, "acceptance_rate": 1.0})
+    lg.log_eval(9, "valid", {"success_rate": 0.5})
+    lg.close()
+    recs = read_metrics(tmp_path)
+    assert [r["update"] for r in recs] == list(range(1, 10))
+    assert recs[-1]["tokens_per_s"] == 900 / 9
+    alarms = [r["tool_collapse_alarm"] for r in recs]
+    assert alarms[:6] == [0] * 6 and alarms[-1] == 1
+    assert sum("TOOL-CALL COLLAPSE" in r.message for r in caplog.records) == 1  # warned once, not every update
+    assert lines[0].startswith("[update 1] ") and "tool_rate=0.200" in lines[0]
+    assert "ALARM=tool_collapse" in lines[-2]
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+    assert json.loads((tmp_path / "eval.jsonl").read_text())["split"] == "valid"
+
+
+def test_plot_overlays_runs(tmp_path):
+    for name, k in (("a", 1.0), ("b", 0.5)):
+        lg = MetricsLogger(tmp_path / name, tensorboard=False, echo=None)
+        for i in range(1, 8):
+            lg.log_update({"update": i, "elapsed_s": 1.0, "success_rate": k * i / 8, "learner_batch_tool_share": k,
+                           "lag_mean": 1.0, "lag_max": 2, "acceptance_rate": 1.0, "learner_batch_policy_tokens_mean": 9})
+        lg.close()
+    out = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp.png")
+    assert out.stat().st_size > 10_000
+    assert len(ascii_curve([0, 0.5, 1.0])) == 3
+
+
+def test_format_line_is_greppable():
+    s = format_line({"update": 5, "success_rate": 0.25, "lr": 1e-6})
+    assert s == "[update 5] success=0.250 lr=1e-06"
