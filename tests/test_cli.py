@@ -1,0 +1,69 @@
+"""The command line, run as a user runs it (subprocess) or through main(argv)."""
+
+import json
+import subprocess
+import sys
+import time
+
+from agentenv.cli import main
+from agentenv.metrics import MetricsLogger
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "agentenv.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help_lists_every_subcommand():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for cmd in ("demo", "run", "sft", "eval", "plot", "list", "rollout", "sandbox"):
+        assert cmd in r.stdout
+
+
+def test_list_shows_envs_models_presets(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "agentenv/ALFWorld-v0" in out and "qwen2.5-7b" in out and "Qwen/Qwen2.5-7B-Instruct" in out
+    assert "alfworld" in out and "variants: no_trust, no_is, token_mean, negative_q09, negative_q02, grpo" in out
+
+
+def test_dry_run_prints_paper_setting_and_flags_missing_weights(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # no weights anywhere
+    rc = main(["run", "--env", "alfworld", "--model", "qwen2.5-7b", "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 1  # a check failed, but everything was printed
+    for s in ("name: qwen2.5-7b", "max_turns: 50", "batch_size: 64", "delta: 0.001", "negative_token_fraction: 0.9",
+              "max_total_tokens: 16384", "max_generated_tokens: 8192", "every: 40", "samples: 3",
+              "# launch plan", "vllm     4 engine(s)", "NOT AVAILABLE", "huggingface-cli download Qwen/Qwen2.5-7B-Instruct"):
+        assert s in out, s
+
+
+def test_run_without_weights_fails_fast_with_instructions(tmp_path):
+    t0 = time.perf_counter()
+    r = run_cli("run", "--env", "alfworld", "--model", "qwen2.5-7b", "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 2
+    assert "not available offline" in r.stderr and "--model /path/to/Qwen2.5-7B-Instruct" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "r").exists()  # nothing created before the check
+    assert time.perf_counter() - t0 < 120
+
+
+def test_bad_override_is_a_clear_error(capsys):
+    assert main(["run", "--env", "demo", "--set", "loop.batchsize=3", "--dry-run"]) == 2
+    assert "unknown key" in capsys.readouterr().err
+
+
+def test_dry_run_demo_passes_checks(capsys):
+    assert main(["run", "--env", "demo", "--dry-run"]) == 0
+    assert "checks passed" in capsys.readouterr().out
+
+
+def test_plot_command(tmp_path, capsys):
+    lg = MetricsLogger(tmp_path, tensorboard=False, echo=None)
+    for i in range(1, 4):
+        lg.log_update({"update": i, "elapsed_s": 1.0, "success_rate": i / 4})
+    lg.close()
+    assert main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "curves.png").exists()
+    assert main(["plot", str(tmp_path / "nope")]) == 2
