@@ -107,7 +107,7 @@ class BatchStatsLearner:
             setattr(self._learner, name, value)
 
 
-_LEARNER_KEEP_PREFIX = {"reward_mean", "policy_version", "step"}  # names the loop already has: keep learner_ prefix
+_LEARNER_KEEP_PREFIX = {"reward_mean", "policy_version", "step", "busy"}  # learner_busy is the loop's own  # names the loop already has: keep learner_ prefix
 
 
 def normalise(m: dict) -> dict:

@@ -86,7 +86,9 @@ def check_data(cfg: RunConfig) -> list[tuple[str, bool, str]]:
         for split in [cfg.env.train_split or "train"] + list(cfg.eval.splits):
             try:
                 games = list_games(split, root)
-                out.append((f"alfworld {split}", True, f"{len(games)} games under {resolve_data_root(root)}"))
+                full = {"valid_seen": 140, "valid_unseen": 134, "train": 3553}.get(split)
+                note = f" (the full split has {full}: set $ALFWORLD_DATA for paper numbers)" if full and len(games) < full else ""
+                out.append((f"alfworld {split}", True, f"{len(games)} games under {resolve_data_root(root)}{note}"))
             except Exception as e:  # noqa: BLE001 -- reported, not raised: dry-run shows every problem at once
                 out.append((f"alfworld {split}", False, str(e)))
         try:
