@@ -27,12 +27,14 @@ def _add_rollout(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off (passed explicitly; no library default applies)")
-    p.add_argument("--max-turns", type=int, default=10)
+    p.add_argument("--max-turns", type=int, default=None,
+                   help="runtime turn limit (default: none of its own; the env's limit applies, e.g. ALFWorld's 50)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="per assistant turn")
     p.add_argument("--max-total-tokens", type=int, default=4096, help="whole trajectory")
     p.add_argument("--concurrency", type=int, default=8, help="episodes in flight")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--split", default=None, help="dataset split for envs that have one (alfworld: train, valid_seen, valid_unseen)")
+    p.add_argument("--split", default=None, help="dataset split for envs that have one (alfworld: train, valid_seen, "
+                   "valid_unseen); episodes then walk the split's games in order (k = ceil(episodes / games) each)")
     p.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra keyword argument for the env constructor (JSON values allowed); repeatable")
     p.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="sampler backend for LLM policies")
@@ -93,13 +95,23 @@ def cmd_rollout(args) -> int:
     except ModelNotAvailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cfg = RolloutConfig(max_turns=args.max_turns, max_total_tokens=args.max_total_tokens, concurrency=args.concurrency,
+    env_kwargs = {**getattr(policy, "env_kwargs", {}), **env_kwargs}  # e.g. the ALFWorld expert needs expert=True
+    tasks = None
+    if args.split is not None and env_id == "agentenv/ALFWorld-v0":
+        import math
+
+        from agentenv.envs.alfworld import evaluation_tasks
+
+        games = evaluation_tasks(args.split, 1, data_dir=env_kwargs.get("data_dir"))
+        tasks = evaluation_tasks(args.split, math.ceil(args.episodes / max(1, len(games))),
+                                 data_dir=env_kwargs.get("data_dir"))[: args.episodes]
+    cfg = RolloutConfig(max_turns=args.max_turns or 1_000_000, max_total_tokens=args.max_total_tokens, concurrency=args.concurrency,
                         sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                                 max_new_tokens=args.max_new_tokens))
     t0 = time.perf_counter()
     with JsonlWriter(args.out) as writer:
         trajs = run_episodes(lambda: gym.make(env_id, **env_kwargs), policy, args.episodes, cfg, seed=args.seed,
-                             progress=True, on_trajectory=writer.write)
+                             tasks=tasks, progress=True, on_trajectory=writer.write)
     s = summarize(trajs, time.perf_counter() - t0)
     print(f"episodes={s['episodes']} success={s['success_rate']:.3f} mean_turns={s['mean_turns']:.2f} "
           f"tool_calls/ep={s['tool_calls_per_episode']:.2f} tokens={s['tokens']} truncation={s['truncation_rate']:.3f} "
@@ -128,7 +140,9 @@ def _config_from_args(args, default_preset: str | None = None):
     model = getattr(args, "model", None)
     if model:
         pre.append(f"model.name={model}")
-        if model == "tiny" or model.startswith("tiny:") or model == "expert":
+        from agentenv.models import is_tiny
+
+        if is_tiny(model) or model == "expert":
             # the built-in tiny model runs on this CPU: local threads, transformers sampler, float32
             pre += ["model.backend=hf", "model.dtype=float32", "loop.backend=local", "model.gradient_checkpointing=false",
                     "algo.max_tokens_per_microbatch=null"]
@@ -144,7 +158,7 @@ def _add_run(sub) -> None:
                     "mirrors the paper's settings; --variant and --set change it. Example: agentenv run --env alfworld "
                     "--model qwen2.5-7b --dry-run")
     p.add_argument("--env", default=None, help="alfworld | python | demo (selects the preset of the same name)")
-    p.add_argument("--model", default=None, help="tiny, tiny:HxL, a local checkpoint dir, or an alias like qwen2.5-7b")
+    p.add_argument("--model", default=None, help="tiny, tiny:HxL, tiny-bpe[:HxL], a local checkpoint dir, or an alias like qwen2.5-7b")
     _add_config_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and launch plan, check that "
                    "model and data are reachable, train nothing")

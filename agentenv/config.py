@@ -180,6 +180,7 @@ def config_dirs() -> list[Path]:
     if os.environ.get("AGENTENV_CONFIGS"):
         dirs.append(Path(os.environ["AGENTENV_CONFIGS"]))
     dirs.append(Path(__file__).resolve().parent.parent / "configs")  # the repo (editable install)
+    dirs.append(Path(__file__).resolve().parent / "configs")  # installed wheel: configs/ ships as agentenv.configs
     dirs.append(Path.cwd() / "configs")
     return dirs
 

