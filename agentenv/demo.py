@@ -23,6 +23,12 @@ import random
 from agentenv.envs.tasks import Task
 
 SYSTEM_PROMPT = "Answer with \\boxed{}. You may use the python tool."
+# A terse tool description keeps the prompt short: with a tiny model every prompt token is paid in every update.
+TOOL_DOC = """Run Python code and return what it prints.
+
+Args:
+    code: Python source code.
+"""
 ENV_ID = "agentenv/PythonTool-v0"
 
 
@@ -56,19 +62,13 @@ def scripted_demo(task: Task, use_tool: bool, rng: random.Random) -> list[dict]:
 
 
 def tool_schemas() -> list[dict]:
-    """The python tool's schema exactly as the env shows it (built without starting a sandbox)."""
-    from agentenv.envs.python_tool import PYTHON_DOC
+    """The python tool's schema exactly as the demo env shows it (built without starting a sandbox)."""
     from agentenv.envs.tools import Tool
-    from agentenv.sandboxes import Limits
-
-    lim = Limits()
-    doc = PYTHON_DOC.format(state="Variables, imports and functions persist across calls within this conversation.",
-                            timeout=lim.timeout_s, memory=lim.memory_mb)
 
     def python(code: str) -> str:
         return code
 
-    python.__doc__ = doc
+    python.__doc__ = TOOL_DOC
     return [Tool.from_function(python).schema()]
 
 

@@ -69,7 +69,9 @@ def resolve_model(name: str) -> ResolvedModel:
                 hidden, layers = (int(x) for x in shape.split("x"))
             except ValueError:
                 raise ValueError(f"tiny model spec must look like '{base}:128x4' (hidden x layers), got {name!r}") from None
-            cfg = TinyConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=4 * hidden, vocab=cfg.vocab)
+            heads = max(1, hidden // 32)  # head size 32 (vLLM's CPU kernels need >= 32)
+            cfg = TinyConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=4 * hidden, vocab=cfg.vocab,
+                             num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))
         return ResolvedModel(name=name, path=str(materialize_tiny(cfg)))
     p = Path(name).expanduser()
     if p.is_dir():

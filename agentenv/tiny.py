@@ -85,8 +85,8 @@ class TinyConfig:
 
     hidden_size: int = 64
     num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    num_attention_heads: int = 2  # head size 32: the smallest vLLM's CPU attention kernels support
+    num_key_value_heads: int = 1
     intermediate_size: int = 256
     max_position_embeddings: int = 4096
     seed: int = 0
@@ -167,8 +167,8 @@ def _small_corpus() -> list[str]:
 
     tok = qwen_tokenizer()
     tools = [{"type": "function", "function": {
-        "name": "python", "description": "Run Python code in a sandbox and return what it prints (stdout and stderr).",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "Python source to run."}},
+        "name": "python", "description": "Run Python code and return what it prints.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "Python source code."}},
                        "required": ["code"]}}}]
     r = random.Random(0)
     texts = []
@@ -182,7 +182,7 @@ def _small_corpus() -> list[str]:
                 {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
                 {"role": "tool", "content": str(r.randrange(10**9))},
                 {"role": "assistant", "content": f"The answer is \\boxed{{{r.randrange(10**7)}}}."}]
-        texts.append(tok.apply_chat_template(msgs, tools=tools if i % 3 == 0 else None, tokenize=False))
+        texts.append(tok.apply_chat_template(msgs, tools=tools if i % 2 == 0 else None, tokenize=False))
     words = ("guess the secret number higher lower correct integer between you have tries answer with one reply "
              "error traceback invalid action take put open close go to examine look inventory heat cool clean use "
              "from in on with the a of and is are was it this that your task find two some then").split()
@@ -217,7 +217,7 @@ def small_tokenizer():
     """The project-trained 2,048-id byte-level BPE with :data:`CHAT_TEMPLATE` (see module docstring)."""
     from transformers import AutoTokenizer
 
-    path = _atomic_dir(cache_dir() / f"small-bpe-{SMALL_VOCAB_SIZE}-v1", _build_small_tokenizer)
+    path = _atomic_dir(cache_dir() / f"small-bpe-{SMALL_VOCAB_SIZE}-v2", _build_small_tokenizer)
     return AutoTokenizer.from_pretrained(str(path))
 
 

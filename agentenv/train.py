@@ -55,6 +55,7 @@ def env_kwargs(cfg: RunConfig, split: str | None = None) -> dict:
 
         kw.setdefault("tasks", [t.__dict__ for t in demo.demo_tasks(cfg.env.num_tasks, seed=cfg.loop.seed)])
         kw.setdefault("system_prompt", demo.SYSTEM_PROMPT)
+        kw.setdefault("tool_doc", demo.TOOL_DOC)
     if "ALFWorld" in env_id:
         kw.setdefault("max_turns", cfg.rollout.max_turns)
         s = split or cfg.env.train_split

@@ -181,6 +181,7 @@ class PythonToolEnv(ToolEnv):
         persistent: bool = True,
         max_turns: int = 10,
         system_prompt: str | None = SYSTEM_PROMPT,
+        tool_doc: str | None = None,
         render_mode: str | None = None,
         **kwargs: Any,
     ):
@@ -193,7 +194,9 @@ class PythonToolEnv(ToolEnv):
         self.sandbox = make_sandbox(backend, limits=self.limits)
         state = ("Variables, imports and functions persist across calls within this conversation."
                  if persistent else "Each call starts a fresh interpreter: nothing carries over between calls.")
-        doc = PYTHON_DOC.format(state=state, timeout=self.limits.timeout_s, memory=self.limits.memory_mb)
+        # tool_doc replaces the tool's description (e.g. a terse one to keep a tiny model's prompt short).
+        doc = tool_doc if tool_doc is not None else PYTHON_DOC.format(
+            state=state, timeout=self.limits.timeout_s, memory=self.limits.memory_mb)
         python = Tool.from_function(_with_doc(self._python, doc), name="python")
         try:
             super().__init__(

@@ -1,4 +1,4 @@
-"""The README's "Writing a new tool environment" example, run exactly as written (envs/README_tool_env_example.md
+"""The README's "Writing a new tool environment" example, run exactly as written (README.md
 holds the same code; keep them identical)."""
 
 # --- README example starts ---
@@ -59,7 +59,7 @@ def test_readme_example_passes_check_env():
 def test_readme_example_is_the_readme_file():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "envs" / "README_tool_env_example.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     source = Path(__file__).read_text()
     block = source.split("# --- README example starts ---\n", 1)[1].split("# --- README example ends ---", 1)[0]
-    assert block.strip() in readme, "envs/README_tool_env_example.md and this test have drifted apart"
+    assert block.strip() in readme, "README.md's tool-env example and this test have drifted apart"
