@@ -6,8 +6,7 @@ Contract:
   digits. Guessing it is ~hopeless; ``print(A * B)`` gives it exactly. Fixed widths keep every demo the same
   token layout, which a tiny model can learn to copy from (digit tokens are single tokens in Qwen's vocabulary).
 * :func:`scripted_demo` -- the messages of one demonstration: with the tool (call python, then copy its output into
-  ``\\boxed{}``) or without (answer at once with a plausible but wrong number: the product with its last three
-  digits scrambled). :func:`demo_trajectories` builds ``n`` of them with a given tool share through
+  ``\\boxed{}``) or without (answer at once with a rough but always wrong guess: ``A * 100``). :func:`demo_trajectories` builds ``n`` of them with a given tool share through
   :func:`agentenv.sft.trajectory_from_messages`, i.e. through the same ChatSequence the runtime uses.
 * The env is the real ``agentenv/PythonTool-v0`` (sandboxed python) with these tasks and :data:`SYSTEM_PROMPT`.
 
@@ -55,9 +54,10 @@ def scripted_demo(task: Task, use_tool: bool, rng: random.Random) -> list[dict]:
         return [{"role": "assistant", "content": f"<tool_call>\n{json.dumps(call)}\n</tool_call>"},
                 {"role": "tool", "content": str(a * b)},
                 {"role": "assistant", "content": f"\\boxed{{{a * b}}}"}]
-    wrong = a * b // 1000 * 1000 + rng.randrange(1000)
-    if wrong == a * b:
-        wrong = a * b // 1000 * 1000 + (a * b + 1) % 1000
+    # A guess a person might make without computing: round B up to 100 (always wrong, since B < 100). It is a
+    # copy of A, so the warm start learns the same copying skill the tool path needs, and RL has to discover that
+    # only the tool's output is right.
+    wrong = a * 100
     return [{"role": "assistant", "content": f"\\boxed{{{wrong}}}"}]
 
 
