@@ -331,7 +331,7 @@ def cmd_list(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agentenv", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="agentenv", description="agentenv: text environments for LLM agents and a FlashREINFORCE trainer. Start with `agentenv demo`; `agentenv COMMAND -h` explains each command.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_demo(sub)

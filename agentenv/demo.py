@@ -10,7 +10,7 @@ Contract:
   :func:`agentenv.sft.trajectory_from_messages`, i.e. through the same ChatSequence the runtime uses.
 * The env is the real ``agentenv/PythonTool-v0`` (sandboxed python) with these tasks and :data:`SYSTEM_PROMPT`.
 
-The demo's story: SFT on a mix where only ~25% of demos use the tool gives a policy that rarely calls it; RL
+The demo's story: SFT on a mix where only ~30% of demos use the tool gives a policy that rarely calls it; RL
 (FlashREINFORCE) then finds that tool-calling trajectories are the ones that succeed and amplifies them.
 """
 

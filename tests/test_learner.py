@@ -2,6 +2,7 @@
 equivalence, checkpoint/resume, schedules, weight export, and batching."""
 
 import copy
+import dataclasses
 import math
 import pickle
 import random
@@ -165,6 +166,12 @@ def test_all_rejected_batch_gives_zero_gradient(base):
     stats = learner.update(trajs)
     assert stats["acceptance_rate"] == 0.0 and stats["retained_tokens"] == 0 and stats["grad_norm"] == 0.0
     assert math.isnan(stats["ratio_mean"])
+    # ...and the optimizer is left untouched: no AdamW momentum / weight-decay drift on a batch with no signal.
+    assert stats["optimizer_step_skipped"] == 1 and stats["policy_version"] == 1
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    learner.update([dataclasses.replace(t, id=t.id + "-again") for t in trajs])
+    assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
+    assert not learner.optimizer.state  # Adam never stepped
     # the no_trust ablation admits them, and the importance ratio pi/mu ~ 1e-5 shows it
     stats = Learner(copy.deepcopy(base), LearnerConfig(no_trust=True)).update(trajs)
     assert stats["acceptance_rate"] == 1.0 and stats["ratio_max"] < 1e-2

@@ -162,7 +162,13 @@ class Learner:
         lr = cfg.lr * self.schedule(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        # A batch with no signal (every row rejected by the gate, or all advantages zero) has gradient exactly 0.
+        # The estimator's step is then a no-op; AdamW's is not (momentum and weight decay would keep moving the
+        # policy while the gate rejects everything, which drifts it further from the behaviour policy: a collapse
+        # seen in the CPU demo). So such a batch is consumed and counted, but the optimizer is left untouched.
+        skipped = float(grad_norm) == 0.0
+        if not skipped:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # free gradient memory between updates
         self.step += 1
         self.policy_version += 1
@@ -173,6 +179,7 @@ class Learner:
         stats.update(
             reward_mean=float(batch.rewards.mean()),
             grad_norm=float(grad_norm),
+            optimizer_step_skipped=int(skipped),
             lr=lr,
             step=self.step,
             policy_version=self.policy_version,
