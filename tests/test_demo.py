@@ -8,7 +8,7 @@ from agentenv.demo import run_demo
 
 def test_demo_two_updates(tmp_path):
     cfg = load_config("demo", [], [
-        f"run.dir={tmp_path}", "model.name=tiny", "sft.num_demos=8", "sft.epochs=1", "sft.batch_size=4",
+        f"run.dir={tmp_path}", "model.name=tiny-bpe", "sft.num_demos=8", "sft.epochs=1", "sft.batch_size=4",
         "loop.total_updates=2", "loop.batch_size=2", "loop.num_workers=1", "loop.concurrency=2", "eval.episodes=2",
         "env.num_tasks=8", "rollout.max_new_tokens=8", "run.tensorboard=false"])
     lines = []
