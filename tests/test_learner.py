@@ -168,6 +168,7 @@ def test_all_rejected_batch_gives_zero_gradient(base):
     assert math.isnan(stats["ratio_mean"])
     # ...and the optimizer is left untouched: no AdamW momentum / weight-decay drift on a batch with no signal.
     assert stats["optimizer_step_skipped"] == 1 and stats["policy_version"] == 1
+    assert stats["admitted"] == [False, False, False]
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
     learner.update([dataclasses.replace(t, id=t.id + "-again") for t in trajs])
     assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())

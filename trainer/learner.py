@@ -9,7 +9,8 @@ Contract of :meth:`Learner.update`:
    failure filter is on or ``compute_entropy``), the loss with the whole-batch totals, ``backward()``. The summed
    gradients equal the full-batch loss's gradient.
 3. Clip the grad norm (a non-finite norm raises and nothing is stepped), set the lr from the schedule, take ONE AdamW
-   step, bump ``step`` and ``policy_version``, record the batch as consumed, and return float/int stats.
+   step, bump ``step`` and ``policy_version``, record the batch as consumed, and return float/int stats (plus
+   ``admitted``: one bool per trajectory, in input order).
 
 bf16 autocast is used on CUDA (``autocast="auto"``), float32 on CPU. ``gradient_checkpointing`` turns on the HF
 model's activation checkpointing. Weights for rollout workers: :meth:`export_weights` (a CPU copy of the state dict)
@@ -278,7 +279,8 @@ def _merge_stats(parts: list[tuple[list[int], dict]], batch_size: int) -> dict:
     if "seq_kl" in parts[0][1]:
         kl, admitted = rows_of("seq_kl"), rows_of("admitted", torch.bool)
         stats.update(acceptance_rate=float(admitted.double().mean()), num_admitted=int(admitted.sum()),
-                     seq_kl_mean=float(kl.mean()), seq_kl_max=float(kl.max()))
+                     seq_kl_mean=float(kl.mean()), seq_kl_max=float(kl.max()),
+                     admitted=admitted.tolist())  # per trajectory, in the order given: the loop labels rejections
     # ratio stats are over retained tokens: weight each micro-batch's mean by its retained count
     counts = [int(st["retained_tokens"].sum()) for _, st in parts]
     live = [(n, st) for n, (_, st) in zip(counts, parts) if n > 0]
