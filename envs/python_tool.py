@@ -157,7 +157,7 @@ def format_result(r: Any, limits: Any) -> str:
     if r.memory_exceeded:
         notes.append(f"[memory limit exceeded ({limits.memory_mb} MB)]")
     if getattr(r, "cpu_exceeded", False):
-        notes.append(f"[CPU time limit exceeded ({limits.cpu_s:g} s)]")
+        notes.append(f"[timed out: CPU time limit of {limits.cpu_s:g} s exceeded, execution was stopped]")
     if r.output_truncated and "output truncated" not in text:
         notes.append(f"[output truncated at {limits.max_output_bytes} bytes]")
     if r.exit_code not in (0, None) and not (r.timed_out or r.memory_exceeded or getattr(r, "cpu_exceeded", False)):
@@ -222,7 +222,9 @@ class PythonToolEnv(ToolEnv):
             result = self._slot.session.run(code)
         else:
             result = self.sandbox.run(code)
-        return ToolOutput(format_result(result, self.limits), error=not result.ok, timeout=bool(result.timed_out))
+        # An endless loop ends on the wall timeout or the CPU limit, whichever fires first: both are a timeout.
+        timeout = bool(result.timed_out or getattr(result, "cpu_exceeded", False))
+        return ToolOutput(format_result(result, self.limits), error=not result.ok, timeout=timeout)
 
     def end_episode(self) -> None:
         slot = getattr(self, "_slot", None)  # end_episode may run from a failed __init__

@@ -199,7 +199,7 @@ import sys
 while True:
     sys.stdout.write("A" * 65536)
     sys.stderr.write("B" * 65536)
-""", expect=lambda r, lim: _capped(r, lim) or (None if r.timed_out else "expected timed_out")),
+""", expect=lambda r, lim: _capped(r, lim) or (None if r.timed_out or r.cpu_exceeded else "expected a time limit to stop it")),
     Attack("sleeping_children", "a timeout kills the whole tree, daemons included", """
 import os, subprocess, time
 subprocess.Popen(["/usr/bin/sleep", "$marker"])

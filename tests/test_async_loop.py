@@ -70,7 +70,9 @@ ENV = GymEnvFactory("agentenv/GuessNumber-v0")
 
 
 def loop_threads():
-    return [t.name for t in threading.enumerate() if t.name.startswith("agentenv")]
+    # The sandbox spawner thread is process-wide by design, not the loop's (see agentenv.sandboxes.process).
+    return [t.name for t in threading.enumerate()
+            if t.name.startswith("agentenv") and not t.name.startswith("agentenv-sandbox-spawner")]
 
 
 def books_balance(s):

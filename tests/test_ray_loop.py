@@ -61,4 +61,7 @@ def test_ray_backend_trains_survives_actor_kill_and_cleans_up():
     assert s["started"] == (s["trained"] + s["rejected"] + s["dropped"] + s["interrupted"])
     assert s["leftover_threads"] == 0
     assert not ray.is_initialized()  # the cluster this run started is shut down (actors with it)
-    assert [t.name for t in threading.enumerate() if t.name.startswith("agentenv")] == []
+    # The sandbox's spawner thread is process-wide by design (bubblewrap children die with the thread that spawned
+    # them), so it is not the loop's to stop.
+    assert [t.name for t in threading.enumerate()
+            if t.name.startswith("agentenv") and not t.name.startswith("agentenv-sandbox-spawner")] == []

@@ -6,7 +6,7 @@ import torch
 
 import agentenv  # noqa: F401
 from agentenv.chat import ChatSequence
-from agentenv.demo import ENV_ID, SYSTEM_PROMPT, demo_tasks, demo_trajectories, scripted_demo, tool_schemas
+from agentenv.demo import ENV_ID, SYSTEM_PROMPT, TOOL_DOC, demo_tasks, demo_trajectories, scripted_demo, tool_schemas
 from agentenv.policy import Generation
 from agentenv.sft import SFTConfig, prepare_demos, sft_loss, train_sft, trajectory_from_messages
 from agentenv.tiny import TinyConfig, qwen_tokenizer, tiny_model
@@ -40,7 +40,7 @@ def test_demo_tokens_equal_a_runtime_sequence(tok):
 
 
 def test_demo_env_shows_the_same_tools_and_grades_the_demo():
-    env = gym.make(ENV_ID, tasks=[t.__dict__ for t in demo_tasks(2)], system_prompt=SYSTEM_PROMPT,
+    env = gym.make(ENV_ID, tasks=[t.__dict__ for t in demo_tasks(2)], system_prompt=SYSTEM_PROMPT, tool_doc=TOOL_DOC,
                    backend="subprocess")
     try:
         _, info = env.reset(options={"task_index": 0})
