@@ -30,7 +30,7 @@ VERIFY_TURNS = 2  # turns per role whose delta is checked against the full histo
 
 
 class TemplateNotAppendOnly(RuntimeError):
-    pass
+    """The chat template re-renders earlier turns when a message is added (see the module docstring)."""
 
 
 class ChatSequence:

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 
 class ConfigError(ValueError):
-    pass
+    """A preset or override is invalid; the message names the dotted key and what is allowed."""
 
 
 class _Section(BaseModel):

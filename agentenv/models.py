@@ -31,7 +31,7 @@ ALIASES: dict[str, str] = {
 
 
 class ModelNotAvailable(RuntimeError):
-    pass
+    """The model cannot be loaded from local files; the message says what to download and where."""
 
 
 @dataclass(frozen=True)

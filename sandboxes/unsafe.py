@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class UnsafeSandboxWarning(UserWarning):
-    pass
+    """Code is about to run with no isolation (the explicit ``subprocess`` backend)."""
 
 
 class SubprocessSandbox(Sandbox):

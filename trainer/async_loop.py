@@ -322,14 +322,7 @@ class RolloutWorker:
 
     def poll(self, timeout: float = 0.0) -> list:
         """Drain results (Ray actors; local workers share the driver's sink instead)."""
-        out = []
-        try:
-            out.append(self.sink.get(timeout=timeout) if timeout > 0 else self.sink.get_nowait())
-            while True:
-                out.append(self.sink.get_nowait())
-        except queue.Empty:
-            pass
-        return out
+        return _drain(self.sink, timeout)
 
     def load_weights(self, state_dict: dict, version: int) -> None:
         publish_to_policy(self.policy, state_dict, version)
@@ -364,6 +357,18 @@ class _CancellableText:
         return self._policy.act(messages, info)
 
 
+def _drain(q: queue.Queue, timeout: float) -> list:
+    """Everything in ``q``, waiting up to ``timeout`` seconds for the first item (0 = do not wait)."""
+    out = []
+    try:
+        out.append(q.get(timeout=timeout) if timeout > 0 else q.get_nowait())
+        while True:
+            out.append(q.get_nowait())
+    except queue.Empty:
+        pass
+    return out
+
+
 def _close_quietly(env) -> None:
     try:
         env.close()
@@ -396,14 +401,7 @@ class LocalBackend:
         self.workers[wid].cancel(eid)
 
     def poll(self, timeout: float) -> list:
-        out = []
-        try:
-            out.append(self.sink.get(timeout=timeout))
-            while True:
-                out.append(self.sink.get_nowait())
-        except queue.Empty:
-            pass
-        return out
+        return _drain(self.sink, timeout)
 
     def publish(self, state_dict: dict, version: int) -> None:
         publish_to_policy(self.policy, state_dict, version)
