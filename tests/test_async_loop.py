@@ -255,7 +255,9 @@ def test_sigint_stops_cleanly_and_resume_continues_step_and_data_order(tiny, tmp
 
     state = ckpt.load(tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text())
     requeue = state["loop"]["sampler"]["requeue"]
-    assert len(requeue) == s1["interrupted"]  # every unfinished episode's prompt is issued again on resume
+    # Every unfinished episode's prompt is issued again on resume; a prompt that was drawn but found no free slot
+    # (at most one: dispatch stops at the first refusal) is already waiting in the sampler's requeue too.
+    assert len(requeue) - s1["interrupted"] in (0, 1)
     fresh = PromptSampler(len(TASKS), c.seed)
     order = [fresh.next() for _ in range(200)]
     assert tr1.issued == order[:len(tr1.issued)]
