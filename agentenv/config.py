@@ -75,6 +75,11 @@ class AlgoConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0)
     grpo_clip_eps: float = Field(0.2, gt=0)
     max_tokens_per_microbatch: Optional[int] = Field(None, ge=1)
+    # ablation "constant_length": each trajectory's token sum is divided by this constant instead of its own length
+    constant_length: Optional[int] = Field(None, ge=1)
+    # top-k / top-p < 1 make mu != pi even at lag 0; the run refuses settings whose lag-0 gate would reject
+    # (almost) everything unless this is set
+    allow_truncated_sampling: bool = False
 
 
 class LoopConfig(_Section):
@@ -108,6 +113,7 @@ class EvalConfig(_Section):
     episodes: Optional[int] = Field(None, ge=1)  # tasks per split; None = the whole split
     samples: int = Field(1, ge=1)  # samples per task
     temperature: Optional[float] = Field(None, gt=0)  # None = the rollout temperature
+    top_p: Optional[float] = Field(None, gt=0, le=1)  # None = the rollout top_p
 
 
 class SFTSection(_Section):
@@ -139,6 +145,9 @@ class LaunchConfig(_Section):
     learner_gpus: int = Field(0, ge=0)
     vllm_engines: int = Field(0, ge=0)
     vllm_tensor_parallel: int = Field(1, ge=1)
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, lt=1)  # engine's share of its GPU (colocated: < 1)
+    vllm_sleep: bool = True  # colocated engine releases its KV cache during the learner step (vLLM sleep mode)
+    learner_world_size: int = Field(1, ge=1)  # > 1: FSDP2 learner ranks (gloo on CPU, NCCL on GPU)
     ray_address: Optional[str] = None
 
 
