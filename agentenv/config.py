@@ -92,9 +92,11 @@ class LoopConfig(_Section):
     num_workers: int = Field(2, ge=1)
     concurrency: int = Field(8, ge=1)  # episodes in flight per worker
     total_updates: int = Field(200, ge=1)
-    episode_timeout_s: float = Field(600.0, gt=0)
-    checkpoint_every: int = Field(0, ge=0)
-    seed: int = 0
+    episode_timeout_s: float = Field(600.0, gt=0)  # wall-clock limit per episode; longer ones are abandoned, counted
+    checkpoint_every: int = Field(0, ge=0)  # updates between checkpoints (0 = only when the run stops)
+    restart_workers: bool = True  # replace a crashed rollout worker (else run on with fewer)
+    poll_interval_s: float = Field(0.02, gt=0)  # how long the loop waits for worker events per iteration
+    seed: int = 0  # prompt order
 
     @model_validator(mode="after")
     def _groups(self):
@@ -139,7 +141,7 @@ class RunSection(_Section):
 
 
 class LaunchConfig(_Section):
-    """What the run needs on a cluster; printed by --dry-run, used by the Ray backend."""
+    """Where the run's parts go: printed by --dry-run as the launch plan, and what the run starts."""
 
     gpus: int = Field(0, ge=0)  # total GPUs: learner + rollout engines
     learner_gpus: int = Field(0, ge=0)
@@ -148,7 +150,10 @@ class LaunchConfig(_Section):
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, lt=1)  # engine's share of its GPU (colocated: < 1)
     vllm_sleep: bool = True  # colocated engine releases its KV cache during the learner step (vLLM sleep mode)
     learner_world_size: int = Field(1, ge=1)  # > 1: FSDP2 learner ranks (gloo on CPU, NCCL on GPU)
-    ray_address: Optional[str] = None
+    ray_address: Optional[str] = None  # None: start a local Ray cluster (loop.backend=ray)
+    ray_num_cpus: Optional[int] = Field(2, ge=1)  # CPUs of that local cluster
+    worker_num_cpus: float = Field(1.0, ge=0)  # Ray resources per rollout actor
+    worker_num_gpus: float = Field(0.0, ge=0)  # e.g. 1 per vLLM engine actor on a GPU cluster
 
 
 class RunConfig(_Section):

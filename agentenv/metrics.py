@@ -3,14 +3,12 @@
 Contract:
 
 * :func:`batch_metrics(trajectories)` -> the trajectory-side numbers of one update (see :data:`METRIC_HELP`).
-* :class:`BatchStatsLearner` wraps a learner so that every ``update(batch)`` also returns those numbers under a
-  ``batch_`` prefix. The loop (:mod:`agentenv.trainer.async_loop`) forwards a learner's scalar stats into its
-  per-update metrics, so the wrapper is how batch-level tool metrics reach ``on_update`` without the loop knowing
-  about tools. Everything else is delegated to the wrapped learner unchanged.
-* :class:`MetricsLogger` takes the loop's per-update dict, normalises names (``learner_batch_x`` -> ``x``,
-  ``learner_x`` -> ``x`` where unambiguous), appends one JSON object per update to ``RUN_DIR/metrics.jsonl`` (the
-  loop's own writer is off when this logger is used, see :mod:`agentenv.train`), writes TensorBoard scalars to
-  ``RUN_DIR/tb/`` and W&B when enabled and installed, and prints ONE greppable line per update starting with
+  The same function summarises ``agentenv rollout`` and every evaluation.
+* :func:`update_record(...)` -> THE per-update record, built in one place by the loop from the batch statistics,
+  the batch's lag, the learner's stats, the accounting counters and the timings (no renaming, no second copy).
+* :class:`MetricsLogger` is the run's one sink: it appends each record to ``RUN_DIR/metrics.jsonl`` (one file per
+  run; events such as the shutdown summary are rows with an ``event`` key), writes TensorBoard scalars to
+  ``RUN_DIR/tb/`` and W&B when enabled and installed, and prints ONE short greppable line per update starting with
   ``[update N]``.
 * Tool-call collapse alarm: with ``peak`` = the highest tool share (trajectories with >= 1 tool call) over the last
   ``window`` updates and ``now`` the mean of the last 3, it warns ``TOOL-CALL COLLAPSE`` once ``now < ratio * peak``
@@ -86,50 +84,28 @@ def batch_metrics(trajs: Sequence[Trajectory]) -> dict:
     return m
 
 
-class BatchStatsLearner:
-    """Delegating wrapper: ``update`` returns the learner's stats plus ``batch_*`` trajectory metrics."""
-
-    def __init__(self, learner):
-        self._learner = learner
-
-    def update(self, trajectories):
-        stats = self._learner.update(trajectories)
-        stats.update({f"batch_{k}": v for k, v in batch_metrics(trajectories).items()})
-        return stats
-
-    def __getattr__(self, name):
-        return getattr(self._learner, name)
-
-    def __setattr__(self, name, value):
-        if name == "_learner":
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._learner, name, value)
+# Learner stats that the record states once elsewhere (the batch statistics, the loop's version and lag).
+_LEARNER_SKIP = {"admitted", "reward_mean", "step", "policy_version", "policy_lag_mean", "policy_lag_max",
+                 "num_trajectories"}
 
 
-_LEARNER_KEEP_PREFIX = {"reward_mean", "policy_version", "step", "busy"}  # learner_busy is the loop's own  # names the loop already has: keep learner_ prefix
-
-
-def normalise(m: dict) -> dict:
-    """The loop's metrics with batch_/learner_ prefixes folded into plain names (see module docstring)."""
-    out = {}
-    for k, v in m.items():
-        if k.startswith("learner_batch_"):
-            out[k[len("learner_batch_"):]] = v
-    for k, v in m.items():
-        if k.startswith("learner_batch_"):
+def update_record(*, update: int, policy_version: int, mode: str, batch: Sequence[Trajectory],
+                  lags: Sequence[tuple[float, int]], learner_stats: dict, counters: dict, timings: dict) -> dict:
+    """THE per-update metrics record, built in one place: batch statistics of the trajectories
+    (:func:`batch_metrics`), the batch's lag (one definition: :func:`agentenv.trainer.accounting.trajectory_lag`),
+    the learner's scalar stats under their own names, the accounting counters, and the timings."""
+    rec: dict = {"update": update, "policy_version": policy_version, "mode": mode, "batch_size": len(batch)}
+    rec.update(batch_metrics(batch))
+    rec["lag_mean"] = sum(lm for lm, _ in lags) / max(1, len(lags))
+    rec["lag_max"] = max((lx for _, lx in lags), default=0)
+    rec["versions_per_traj_max"] = max((len(t.versions) for t in batch), default=0)
+    for k, v in learner_stats.items():
+        if k in _LEARNER_SKIP or isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
-        if k.startswith("learner_"):
-            short = k[len("learner_"):]
-            if short in _LEARNER_KEEP_PREFIX or short in out or short in m:
-                out.setdefault(k, v)
-            else:
-                out[short] = v
-        elif k not in out:
-            out[k] = v
-    if "tokens" in out and out.get("elapsed_s"):
-        out.setdefault("_tokens_total", 0)
-    return out
+        rec[f"learner_{k}" if k in rec else k] = v
+    rec.update(counters)
+    rec.update(timings)
+    return rec
 
 
 class MetricsLogger:
@@ -164,9 +140,8 @@ class MetricsLogger:
                 log.info("wandb not installed; skipping W&B logging")
 
     # --- per update ---------------------------------------------------------------------------------------------
-    def log_update(self, raw: dict) -> dict:
-        m = normalise(raw)
-        m.pop("_tokens_total", None)
+    def log_update(self, record: dict) -> dict:
+        m = dict(record)
         self._tokens_total += int(m.get("tokens", 0))
         if m.get("elapsed_s"):
             m["tokens_per_s"] = self._tokens_total / m["elapsed_s"]
@@ -204,6 +179,12 @@ class MetricsLogger:
         self._alarmed = collapsed
         return collapsed
 
+    def log_event(self, event: str, **fields) -> None:
+        """A non-update row (e.g. the shutdown summary); :func:`read_metrics` skips it."""
+        if self._f is not None:
+            self._f.write(json.dumps({"event": event, **fields}, default=str) + "\n")
+            self._f.flush()
+
     def log_eval(self, step: int, name: str, summary: dict) -> None:
         rec = {"event": "eval", "update": step, "split": name, **summary}
         if self.run_dir is not None:
@@ -232,13 +213,11 @@ class MetricsLogger:
             self._wandb = None
 
 
+# The log line: what a person scans while a run goes; everything else is in metrics.jsonl / TensorBoard.
 LINE_KEYS = (("reward_mean", "reward"), ("success_rate", "success"), ("tool_share", "tool_rate"),
-             ("tool_calls_mean", "tool_calls"), ("tool_error_rate", "tool_err"), ("turns_mean", "turns"),
-             ("policy_tokens_mean", "len"), ("truncation_rate", "trunc"), ("acceptance_rate", "accept"),
-             ("seq_kl_mean", "kl"), ("lag_mean", "lag"), ("lag_max", "lag_max"), ("entropy_mean", "ent"),
-             ("grad_norm", "gnorm"), ("lr", "lr"), ("traj_per_s", "traj/s"), ("tokens_per_s", "tok/s"),
-             ("time_generation_s", "t_gen"), ("time_env_s", "t_env"), ("time_learner_s", "t_learn"),
-             ("started", "started"), ("trained", "trained"), ("rejected", "rejected"), ("dropped", "dropped"))
+             ("policy_tokens_mean", "len"), ("acceptance_rate", "accept"), ("seq_kl_mean", "kl"),
+             ("lag_mean", "lag"), ("grad_norm", "gnorm"), ("lr", "lr"), ("traj_per_s", "traj/s"),
+             ("time_learner_s", "t_learn"), ("dropped", "dropped"))
 
 
 def format_line(m: dict) -> str:
@@ -260,7 +239,7 @@ def _fmt(v) -> str:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The per-update records of a run (skips shutdown/eval events and lines the loop wrote itself)."""
+    """The per-update records of a run (skips events and rows of updates a crash rolled back)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a run directory?")
@@ -269,7 +248,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
         if not line.strip():
             continue
         rec = json.loads(line)
-        if "event" in rec or "update" not in rec:
+        if "event" in rec or "update" not in rec or rec.get("rolled_back"):
             continue
         out.append(rec)
     return out

@@ -13,13 +13,11 @@ import time
 
 import gymnasium as gym
 import pytest
-from agentenv.trainer.async_loop import (
-    GymEnvFactory,
-    PromptSampler,
-    TrainConfig,
-    Trainer,
-    WorkerCrash,
-)
+from agentenv.config import LoopConfig
+from agentenv.trainer.backends import GymEnvFactory
+from agentenv.trainer.dispatch import PromptSampler
+from agentenv.trainer.loop import Trainer
+from agentenv.trainer.workers import WorkerCrash
 
 from agentenv.policy import SamplingParams
 from agentenv.runtime import RolloutConfig, Task
@@ -58,11 +56,13 @@ def make_learner(tiny, **kw):
     return Learner(copy.deepcopy(tiny[0]), LearnerConfig(lr=1e-4, **kw))
 
 
+ROLLOUT = RolloutConfig(max_turns=2, max_total_tokens=512, sampling=SamplingParams(max_new_tokens=8))
+
+
 def cfg(**kw):
-    base = dict(batch_size=4, queue_size=2, num_workers=2, concurrency=2, total_updates=3, poll_interval_s=0.01,
-                rollout=RolloutConfig(max_turns=2, max_total_tokens=512, sampling=SamplingParams(max_new_tokens=8)))
+    base = dict(batch_size=4, queue_size=2, num_workers=2, concurrency=2, total_updates=3, poll_interval_s=0.01)
     base.update(kw)
-    return TrainConfig(**base)
+    return LoopConfig(**base)
 
 
 TASKS = [Task(seed=i) for i in range(12)]
@@ -81,9 +81,9 @@ def books_balance(s):
     assert s["dropped"] == sum(s[f"dropped_{r}"] for r in ("stale", "worker_crash", "env_timeout", "error"))
 
 
-def run(c, tiny, learner, tasks=TASKS, env=ENV, on_update=None):
-    tr = Trainer(c, make_env=env, make_policy=TinyPolicyFactory(tiny), learner=learner, tasks=tasks,
-                 on_update=on_update)
+def run(c, tiny, learner, tasks=TASKS, env=ENV, on_update=None, **kw):
+    tr = Trainer(c, rollout=ROLLOUT, make_env=env, make_policy=TinyPolicyFactory(tiny), learner=learner, tasks=tasks,
+                 on_update=on_update, **kw)
     summary = tr.run()
     return tr, summary
 
@@ -105,24 +105,25 @@ def test_prompt_sampler_without_replacement_and_resumable():
 
 def test_config_errors_are_clear():
     with pytest.raises(ValueError, match="mode"):
-        TrainConfig(mode="ppo")
+        LoopConfig(mode="ppo")
     with pytest.raises(ValueError, match="multiple of group_size"):
-        TrainConfig(mode="sync_grpo", batch_size=6, group_size=4)
+        LoopConfig(mode="sync_grpo", batch_size=6, group_size=4)
     with pytest.raises(ValueError, match="run_dir"):
-        TrainConfig(resume=True)
+        Trainer(LoopConfig(), rollout=ROLLOUT, make_env=ENV, make_policy=lambda i: None, learner=None, tasks=TASKS,
+                resume=True)
 
 
 def test_async_runs_updates_measures_lag_and_writes_logs(tiny, tmp_path):
     learner = make_learner(tiny)
     seen = []
-    _, s = run(cfg(queue_size=2, total_updates=4, run_dir=str(tmp_path)), tiny, learner, on_update=seen.append)
+    _, s = run(cfg(queue_size=2, total_updates=4), tiny, learner, on_update=seen.append, run_dir=tmp_path)
     assert s["updates"] == 4 and learner.step == 4 and learner.policy_version == 4
     assert [m["update"] for m in seen] == [1, 2, 3, 4]
     for m in seen:
         assert m["accounting_balance"] == 0
         assert m["lag_max"] >= m["lag_mean"] >= 0
         for k in ("reward_mean", "success_rate", "tool_calls_mean", "acceptance_rate", "traj_per_s",
-                  "learner_busy", "time_generation_s", "time_env_s", "time_learner_s", "learner_loss"):
+                  "learner_busy", "time_generation_s", "time_env_s", "time_learner_s", "loss"):
             assert k in m
     # Q=2 lets the next batch be generated while the learner updates: real (measured) lag appears
     assert max(m["lag_max"] for m in seen) > 0
@@ -153,10 +154,10 @@ def test_killed_worker_loses_only_its_in_flight_episodes(tiny):
     def on_update(m):
         if m["update"] == 1:
             tr = holder["tr"]
-            lost["n"] = sum(f.wid == 0 for f in tr._inflight.values())
+            lost["n"] = tr.inflight_on(0)
             tr.kill_worker(0)
 
-    tr = Trainer(cfg(total_updates=3, queue_size=2), make_env=ENV, make_policy=TinyPolicyFactory(tiny), learner=learner,
+    tr = Trainer(cfg(total_updates=3, queue_size=2), rollout=ROLLOUT, make_env=ENV, make_policy=TinyPolicyFactory(tiny), learner=learner,
                  tasks=TASKS, on_update=on_update)
     holder["tr"] = tr
     s = tr.run()
@@ -218,7 +219,7 @@ def test_hanging_env_is_timed_out_and_counted(tiny):
             holder["tr"].request_stop()
 
     env = lambda: HangOnSeed(ENV(), {1, 5})
-    tr = Trainer(cfg(total_updates=30, episode_timeout_s=1.0), make_env=env, make_policy=TinyPolicyFactory(tiny), learner=learner,
+    tr = Trainer(cfg(total_updates=30, episode_timeout_s=1.0), rollout=ROLLOUT, make_env=env, make_policy=TinyPolicyFactory(tiny), learner=learner,
                  tasks=tasks, on_update=on_update)
     holder["tr"] = tr
     t0 = time.monotonic()
@@ -240,14 +241,14 @@ def test_max_staleness_drops_stale_trajectories(tiny):
 
 
 def test_sigint_stops_cleanly_and_resume_continues_step_and_data_order(tiny, tmp_path):
-    c = cfg(total_updates=10, run_dir=str(tmp_path))
+    c = cfg(total_updates=10)
 
     def on_update(m):
         if m["update"] == 2:
             os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does
 
     prev = signal.getsignal(signal.SIGINT)
-    tr1, s1 = run(c, tiny, make_learner(tiny), on_update=on_update)
+    tr1, s1 = run(c, tiny, make_learner(tiny), on_update=on_update, run_dir=tmp_path)
     assert signal.getsignal(signal.SIGINT) is prev  # handler restored
     assert s1["updates"] == 2 and s1["leftover_threads"] == 0 and loop_threads() == []
     books_balance(s1)
@@ -264,8 +265,8 @@ def test_sigint_stops_cleanly_and_resume_continues_step_and_data_order(tiny, tmp
 
     learner2 = make_learner(tiny)
     seen = []
-    tr2 = Trainer(cfg(total_updates=4, run_dir=str(tmp_path), resume=True), make_env=ENV, make_policy=TinyPolicyFactory(tiny),
-                  learner=learner2, tasks=TASKS, on_update=seen.append)
+    tr2 = Trainer(cfg(total_updates=4), rollout=ROLLOUT, run_dir=tmp_path, resume=True, make_env=ENV,
+                  make_policy=TinyPolicyFactory(tiny), learner=learner2, tasks=TASKS, on_update=seen.append)
     assert tr2.step == 2 and learner2.step == 2 and learner2.policy_version == 2
     s2 = tr2.run()
     assert [m["update"] for m in seen] == [3, 4] and learner2.step == 4
@@ -281,8 +282,8 @@ def test_sigint_stops_cleanly_and_resume_continues_step_and_data_order(tiny, tmp
 def test_sync_grpo_waits_for_whole_groups(tiny, tmp_path):
     learner = make_learner(tiny, loss="grpo")
     seen = []
-    _, s = run(cfg(mode="sync_grpo", batch_size=4, group_size=2, total_updates=2, run_dir=str(tmp_path)),
-                tiny, learner, on_update=seen.append)
+    _, s = run(cfg(mode="sync_grpo", batch_size=4, group_size=2, total_updates=2),
+                tiny, learner, on_update=seen.append, run_dir=tmp_path)
     assert s["updates"] == 2 and learner.step == 2
     assert all(m["lag_max"] == 0 for m in seen)  # on-policy: nothing is generated while the learner runs
     books_balance(s)
@@ -297,3 +298,62 @@ def test_sync_grpo_waits_for_whole_groups(tiny, tmp_path):
         assert len(groups) == 2
         assert all(len(tasks) == 1 for tasks in groups.values())  # siblings share one prompt
     assert sum(1 for t in used) == 8
+
+
+class _CloseCountingEnv(gym.Wrapper):
+    def __init__(self, env):
+        super().__init__(env)
+        self.closed = 0
+
+    def close(self):
+        self.closed += 1
+        return super().close()
+
+
+def test_cancel_racing_an_episode_finish_never_pools_a_closed_env():
+    """Force the interleaving the old worker got wrong: the episode has finished (its trajectory is built) and
+    cancel() arrives before the worker settles it. The env must be closed exactly once and never reused."""
+    import queue as _queue
+
+    from agentenv.policy import SamplingParams as SP
+    from agentenv.runtime import RolloutConfig as RC
+    from agentenv.trainer.workers import RolloutWorker
+
+    class Scripted:  # a text policy: the race is in the worker, not the model
+        name = "scripted"
+
+        def act(self, messages, info):
+            return "50"
+
+    finished, go = threading.Event(), threading.Event()
+
+    class RacyWorker(RolloutWorker):
+        def _settle(self, ep, traj):
+            finished.set()
+            go.wait(10)  # cancel() runs here, after run_episode returned and before the settle
+            super()._settle(ep, traj)
+
+    envs = []
+
+    def make_env():
+        envs.append(_CloseCountingEnv(ENV()))
+        return envs[-1]
+
+    sink = _queue.Queue()
+    w = RacyWorker(0, make_env, Scripted(), RC(max_turns=1, sampling=SP(max_new_tokens=4)), sink=sink)
+    w.submit(0, Task(seed=1))
+    assert finished.wait(30)
+    w.cancel(0)
+    go.set()
+    deadline = time.monotonic() + 10
+    while envs[0].closed == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # let the settle finish
+    assert envs[0].closed == 1  # closed once, by cancel
+    assert w._pool == [] and sink.empty()  # not reused, result discarded
+    RacyWorker._settle = RolloutWorker._settle  # the next episode settles normally
+    w.submit(1, Task(seed=2))
+    ev = sink.get(timeout=30)
+    assert ev[0] == "done" and len(envs) == 2 and envs[1].closed == 0  # a fresh env, not the closed one
+    assert w.close() == 0
+    assert envs[1].closed == 1

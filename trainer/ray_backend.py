@@ -1,12 +1,12 @@
-"""Ray backend for :class:`agentenv.trainer.async_loop.Trainer`: rollout workers as Ray actors, learner on the driver.
+"""Ray backend (:class:`agentenv.trainer.backends.Backend`): rollout workers as Ray actors, learner on the driver.
 
-Same algorithm code path as the local backend: the driver's :class:`~agentenv.trainer.async_loop.Trainer` makes every
+Same algorithm code path as the local backend: the driver's :class:`~agentenv.trainer.loop.Trainer` makes every
 decision (what to start where, batching, staleness, timeouts, accounting); this module only moves calls and data.
 
-* Each actor (:class:`RayRolloutWorker`) owns its sampler -- ``make_policy(worker_index)``: an HFPolicy on CPU here,
-  a vLLM engine on a GPU cluster (give the actor ``worker_num_gpus``) -- its envs and a
-  :class:`~agentenv.trainer.async_loop.RolloutWorker` (the same class the local backend runs), so env workers live in the
-  actor's process next to their sampler. Actors are threaded (``max_concurrency``): a long ``poll`` never blocks
+* Each actor (:class:`RayRolloutWorker`) owns its sampler -- ``make_policy(worker_index)``: an HFPolicy on CPU, or a
+  vLLM engine (``model.backend=vllm``: one engine per actor; give the actor ``launch.worker_num_gpus`` on a GPU
+  cluster) -- its envs and a :class:`~agentenv.trainer.workers.RolloutWorker` (the same class the local backend
+  runs), so env workers live in the actor's process next to their sampler. Actors are threaded (``max_concurrency``): a long ``poll`` never blocks
   ``submit`` / ``cancel`` / ``load_weights``.
 * Weight sync: :meth:`RayBackend.publish` does ONE ``ray.put`` of the learner's full (CPU) state dict and every actor
   calls its policy's ``load_weights(state_dict, version)`` on it (vLLM: its weight-update API). The call returns
@@ -17,8 +17,8 @@ decision (what to start where, batching, staleness, timeouts, accounting); this 
   in-flight episodes (counted), and :meth:`restart_worker` kills the old actor, starts a new one and loads the
   current weights into it before it gets work.
 * Cluster: when Ray is not initialised, a local cluster is started with ``RAY_AUTH_MODE=disabled`` (Ray 2.60 turns
-  on token auth otherwise), ``num_cpus=cfg.ray_num_cpus`` and no dashboard, and shut down at :meth:`close`; with
-  ``cfg.ray_address`` it joins that cluster instead. :meth:`close` kills every actor it created either way.
+  on token auth otherwise), ``num_cpus=launch.ray_num_cpus`` and no dashboard, and shut down at :meth:`close`;
+  with ``launch.ray_address`` it joins that cluster instead. :meth:`close` kills every actor it created either way.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from collections.abc import Callable
 
 from agentenv.runtime import Batcher, RolloutConfig, Task
 
-from .async_loop import RolloutWorker, TrainConfig
+from agentenv.config import LaunchConfig, LoopConfig
+
+from .workers import RolloutWorker
 
 log = logging.getLogger("agentenv.trainer.ray")
 
@@ -74,6 +76,17 @@ class RayRolloutWorker:
         self.worker.load_weights(state_dict, version)
         return version
 
+    def sleep(self) -> None:
+        getattr(self.policy, "sleep", lambda: None)()
+
+    def wake_up(self) -> None:
+        getattr(self.policy, "wake_up", lambda: None)()
+
+    def sampler_kind(self) -> str:
+        from .backends import sampler_kind
+
+        return sampler_kind(self.policy)
+
     def crash(self) -> None:
         """Fault injection from the driver: a worker-level crash inside a live actor."""
         self.worker.kill()
@@ -82,6 +95,9 @@ class RayRolloutWorker:
         left = self.worker.close()
         if self.batcher is not None:
             self.batcher.close()
+        close = getattr(self.policy, "close", None)
+        if callable(close):
+            close()
         return left
 
 
@@ -94,18 +110,20 @@ class _Handle:
 
 
 class RayBackend:
-    def __init__(self, cfg: TrainConfig, make_env: Callable, make_policy: Callable):
+    def __init__(self, loop: LoopConfig, launch: LaunchConfig, rollout: RolloutConfig, make_env: Callable,
+                 make_policy: Callable):
         import ray
 
         self.ray = ray
-        self.cfg, self.make_env, self.make_policy = cfg, make_env, make_policy
-        self._owns_ray = init_ray(cfg.ray_num_cpus, cfg.ray_address)
+        self.loop, self.launch, self.rollout = loop, launch, rollout
+        self.make_env, self.make_policy = make_env, make_policy
+        self._owns_ray = init_ray(launch.ray_num_cpus, launch.ray_address)
         self._cls = ray.remote(RayRolloutWorker)
         self._weights = None  # (ObjectRef of the last published state dict, version)
         self._events: list = []  # deaths the driver caused (kill_worker), reported on the next poll
         self.workers: list[_Handle] = []
         try:
-            self.workers = [self._spawn(i) for i in range(cfg.num_workers)]
+            self.workers = [self._spawn(i) for i in range(loop.num_workers)]
             pids = ray.get([w.actor.ready.remote() for w in self.workers], timeout=300)
         except BaseException:
             self.close()
@@ -113,9 +131,9 @@ class RayBackend:
         log.info("ray backend: %d rollout actors up (pids %s)", len(pids), pids)
 
     def _spawn(self, i: int) -> _Handle:
-        opts = {"num_cpus": self.cfg.worker_num_cpus, "num_gpus": self.cfg.worker_num_gpus,
-                "max_concurrency": self.cfg.concurrency + 8, "max_restarts": 0}
-        return _Handle(self._cls.options(**opts).remote(i, self.make_env, self.make_policy, self.cfg.rollout))
+        opts = {"num_cpus": self.launch.worker_num_cpus, "num_gpus": self.launch.worker_num_gpus,
+                "max_concurrency": self.loop.concurrency + 8, "max_restarts": 0}
+        return _Handle(self._cls.options(**opts).remote(i, self.make_env, self.make_policy, self.rollout))
 
     def submit(self, wid: int, eid: int, task: Task) -> None:
         w = self.workers[wid]
@@ -173,6 +191,34 @@ class RayBackend:
                 ray.get(r)
             except ray.exceptions.RayActorError:
                 self.workers[i].alive = False  # its poll reports the death; nothing else to do here
+
+    def _on_live(self, method: str) -> None:
+        refs = [getattr(w.actor, method).remote() for w in self.workers if w.alive]
+        for r in refs:
+            try:
+                self.ray.get(r)
+            except self.ray.exceptions.RayActorError:
+                pass  # its poll reports the death
+
+    def alive_workers(self) -> list[int]:
+        return [i for i, w in enumerate(self.workers) if w.alive]
+
+    def sleep(self) -> None:
+        self._on_live("sleep")
+
+    def wake_up(self) -> None:
+        self._on_live("wake_up")
+
+    def components(self) -> dict:
+        kinds = set()
+        for w in self.workers:
+            try:
+                kinds.add(self.ray.get(w.actor.sampler_kind.remote(), timeout=60))
+            except Exception:  # noqa: BLE001 -- a dead actor says nothing about the others
+                pass
+        kind = kinds.pop() if len(kinds) == 1 else "/".join(sorted(kinds)) or "unknown"
+        return {"sampler": kind, "rollout_backend": "ray",
+                "vllm_engines": len(self.workers) if kind == "vllm" else 0}
 
     def kill_worker(self, wid: int) -> None:
         """Fault injection: kill the actor process outright. It gets no more work from this moment; the driver sees

@@ -13,12 +13,9 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'agentenv[ray]')")
 
-from agentenv.trainer.async_loop import (
-    GymEnvFactory,
-    HFPolicyFactory,
-    TrainConfig,
-    Trainer,
-)
+from agentenv.config import LaunchConfig, LoopConfig
+from agentenv.trainer.backends import GymEnvFactory, HFPolicyFactory
+from agentenv.trainer.loop import Trainer
 
 from agentenv.policy import SamplingParams
 from agentenv.runtime import RolloutConfig, Task
@@ -36,20 +33,21 @@ def test_ray_backend_trains_survives_actor_kill_and_cleans_up():
     assert not ray.is_initialized()
     learner = Learner(AutoModelForCausalLM.from_pretrained(resolve_model("tiny").path, local_files_only=True),
                       LearnerConfig(lr=1e-4))
-    cfg = TrainConfig(backend="ray", batch_size=4, queue_size=2, num_workers=2, concurrency=2, total_updates=4,
-                      ray_num_cpus=2, worker_num_cpus=0.5,
-                      rollout=RolloutConfig(max_turns=2, max_total_tokens=512, sampling=SamplingParams(max_new_tokens=8)))
+    cfg = LoopConfig(backend="ray", batch_size=4, queue_size=2, num_workers=2, concurrency=2, total_updates=4)
+    launch = LaunchConfig(ray_num_cpus=2, worker_num_cpus=0.5)
+    rollout = RolloutConfig(max_turns=2, max_total_tokens=512, sampling=SamplingParams(max_new_tokens=8))
     seen, lost, holder = [], {}, {}
 
     def on_update(m):
         seen.append(copy.deepcopy(m))
         if m["update"] == 2:
             tr = holder["tr"]
-            lost["n"] = sum(f.wid == 1 for f in tr._inflight.values())
+            lost["n"] = tr.inflight_on(1)
             tr.kill_worker(1)  # ray.kill of the actor process
 
     # picklable factories: the actors import them by reference
-    tr = Trainer(cfg, make_env=GymEnvFactory("agentenv/GuessNumber-v0"), make_policy=HFPolicyFactory("tiny", device="cpu"),
+    tr = Trainer(cfg, rollout=rollout, launch=launch, make_env=GymEnvFactory("agentenv/GuessNumber-v0"),
+                 make_policy=HFPolicyFactory("tiny", device="cpu"),
                  learner=learner, tasks=[Task(seed=i) for i in range(12)], on_update=on_update)
     holder["tr"] = tr
     s = tr.run()

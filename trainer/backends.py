@@ -1,0 +1,145 @@
+"""Where rollout workers live and how weights reach their samplers: one small protocol, two backends.
+
+:class:`Backend` is what the loop (:mod:`agentenv.trainer.loop`) talks to. It never decides anything: the loop
+says which episode starts on which worker, and the backend moves calls and data.
+
+* ``submit(wid, eid, task)`` / ``cancel(wid, eid)``: start / give up an episode on worker ``wid``.
+* ``poll(timeout) -> events``: ``("done", wid, eid, trajectory)`` and ``("died", wid, reason)``.
+* ``publish(state_dict, version)``: every live sampler holds ``version`` when it returns (swapped between turns).
+* ``sleep()`` / ``wake_up()``: around the learner step, so a colocated vLLM engine can free its KV cache.
+* ``alive_workers()``, ``kill_worker`` (fault injection), ``restart_worker``, ``close() -> {"leftover_threads": n}``.
+* ``components() -> dict``: what actually started (sampler kind, backend, engines), for ``summary.json``.
+
+:class:`LocalBackend` keeps the workers as thread groups in this process sharing ONE sampler through one
+:class:`~agentenv.runtime.Batcher` (generation is batched across every in-flight episode); weight sync is an
+in-process ``load_weights``. The Ray backend is :class:`agentenv.trainer.ray_backend.RayBackend`.
+
+The factories are picklable (Ray ships them to actors by reference): :class:`GymEnvFactory` (any gymnasium id,
+including gymnasium's ``module:EnvId`` form, which imports ``module`` first) and :class:`HFPolicyFactory`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from agentenv.config import LaunchConfig, LoopConfig
+from agentenv.runtime import Batcher, RolloutConfig, Task
+
+from .workers import RolloutWorker, drain, publish_to_policy
+
+log = logging.getLogger("agentenv.trainer.backends")
+
+
+class Backend(Protocol):
+    def submit(self, wid: int, eid: int, task: Task) -> None: ...
+    def cancel(self, wid: int, eid: int) -> None: ...
+    def poll(self, timeout: float) -> list: ...
+    def publish(self, state_dict: dict, version: int) -> None: ...
+    def sleep(self) -> None: ...
+    def wake_up(self) -> None: ...
+    def alive_workers(self) -> list[int]: ...
+    def kill_worker(self, wid: int) -> None: ...
+    def restart_worker(self, wid: int) -> None: ...
+    def components(self) -> dict: ...
+    def close(self) -> dict: ...
+
+
+@dataclass
+class GymEnvFactory:
+    """``gymnasium.make(env_id, **kwargs)`` after importing agentenv, so agentenv/ ids resolve in a fresh process."""
+
+    env_id: str
+    kwargs: dict = field(default_factory=dict)
+
+    def __call__(self):
+        import gymnasium as gym
+
+        import agentenv  # noqa: F401  (registers agentenv/ envs)
+
+        return gym.make(self.env_id, **self.kwargs)
+
+
+@dataclass
+class HFPolicyFactory:
+    """``load_hf_policy(model, seed=seed + worker_index)``: each worker process samples from its own seeded stream."""
+
+    model: str = "tiny"
+    seed: int = 0
+    device: str | None = None
+    dtype: str = "auto"
+
+    def __call__(self, worker_index: int = 0):
+        from agentenv.models import load_hf_policy
+
+        return load_hf_policy(self.model, seed=self.seed + worker_index, device=self.device, dtype=self.dtype)
+
+
+def sampler_kind(policy) -> str:
+    return getattr(policy, "backend", None) or ("hf" if hasattr(policy, "generate") else "text")
+
+
+class LocalBackend:
+    def __init__(self, loop: LoopConfig, rollout: RolloutConfig, make_env: Callable, make_policy: Callable):
+        self.loop, self.rollout, self.make_env = loop, rollout, make_env
+        self.policy = make_policy(0)
+        self.batcher = Batcher(self.policy) if hasattr(self.policy, "generate") else None
+        self.sink: queue.Queue = queue.Queue()
+        self.workers = [self._new(i) for i in range(loop.num_workers)]
+        self._retired: list[RolloutWorker] = []
+
+    def _new(self, i: int) -> RolloutWorker:
+        return RolloutWorker(i, self.make_env, self.policy, self.rollout, self.batcher, self.sink)
+
+    def submit(self, wid: int, eid: int, task: Task) -> None:
+        self.workers[wid].submit(eid, task)
+
+    def cancel(self, wid: int, eid: int) -> None:
+        self.workers[wid].cancel(eid)
+
+    def poll(self, timeout: float) -> list:
+        return drain(self.sink, timeout)
+
+    def publish(self, state_dict: dict, version: int) -> None:
+        publish_to_policy(self.policy, state_dict, version)
+
+    def sleep(self) -> None:
+        getattr(self.policy, "sleep", lambda: None)()
+
+    def wake_up(self) -> None:
+        getattr(self.policy, "wake_up", lambda: None)()
+
+    def alive_workers(self) -> list[int]:
+        return [i for i, w in enumerate(self.workers) if w.alive]
+
+    def kill_worker(self, wid: int) -> None:
+        self.workers[wid].kill()
+
+    def restart_worker(self, wid: int) -> None:
+        self._retired.append(self.workers[wid])
+        self.workers[wid] = self._new(wid)
+
+    def components(self) -> dict:
+        kind = sampler_kind(self.policy)
+        return {"sampler": kind, "rollout_backend": "local", "vllm_engines": int(kind == "vllm")}
+
+    def close(self) -> dict:
+        left = sum(w.close() for w in self.workers + self._retired)
+        if self.batcher is not None:
+            self.batcher.close()
+        close = getattr(self.policy, "close", None)
+        if callable(close):
+            close()
+        return {"leftover_threads": left}
+
+
+def make_backend(loop: LoopConfig, launch: LaunchConfig, rollout: RolloutConfig, make_env: Callable,
+                 make_policy: Callable) -> Backend:
+    if loop.backend == "ray":
+        from .ray_backend import RayBackend  # ray is an optional dependency: imported only when asked for
+
+        return RayBackend(loop, launch, rollout, make_env, make_policy)
+    return LocalBackend(loop, rollout, make_env, make_policy)
