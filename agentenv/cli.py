@@ -20,7 +20,7 @@ import time
 def _add_rollout(sub) -> None:
     p = sub.add_parser("rollout", help="run N episodes of a policy in an env and write trajectories to JSONL",
                        description="Run episodes and write one trajectory per line (see agentenv.trajectory).")
-    p.add_argument("--env", required=True, help="env alias (guess, python, alfworld) or gymnasium id agentenv/...")
+    p.add_argument("--env", required=True, help="env alias (guess, python, alfworld), gymnasium id, or MODULE:ENV_ID")
     p.add_argument("--model", default="tiny", help="'tiny', 'expert', a local checkpoint dir, or an alias like qwen2.5-7b")
     p.add_argument("--episodes", type=int, default=8)
     p.add_argument("--out", default="rollouts.jsonl", help="output JSONL path")
@@ -77,16 +77,23 @@ def build_policy(model: str, env_id: str, *, seed: int = 0, backend: str = "hf")
 
 
 def cmd_rollout(args) -> int:
+    import math
+
     import gymnasium as gym
 
     import agentenv  # noqa: F401  (registers envs)
-    from agentenv.envs import resolve_env_id
+    from agentenv.envs import spec
+    from agentenv.metrics import batch_metrics
     from agentenv.models import ModelNotAvailable
     from agentenv.policy import SamplingParams
-    from agentenv.runtime import RolloutConfig, run_episodes, summarize
+    from agentenv.runtime import RolloutConfig, Task, run_episodes
     from agentenv.trajectory import JsonlWriter
 
-    env_id = resolve_env_id(args.env)
+    try:
+        env_id = spec.resolve(args.env)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     env_kwargs = parse_kv(args.env_arg)
     if args.split is not None:
         env_kwargs["split"] = args.split
@@ -97,14 +104,15 @@ def cmd_rollout(args) -> int:
         return 2
     env_kwargs = {**getattr(policy, "env_kwargs", {}), **env_kwargs}  # e.g. the ALFWorld expert needs expert=True
     tasks = None
-    if args.split is not None and env_id == "agentenv/ALFWorld-v0":
-        import math
-
-        from agentenv.envs.alfworld import evaluation_tasks
-
-        games = evaluation_tasks(args.split, 1, data_dir=env_kwargs.get("data_dir"))
-        tasks = evaluation_tasks(args.split, math.ceil(args.episodes / max(1, len(games))),
-                                 data_dir=env_kwargs.get("data_dir"))[: args.episodes]
+    if args.split is not None:  # walk the split's tasks in order, k = ceil(episodes / tasks) samples each
+        env = gym.make(env_id, **env_kwargs)
+        try:
+            options = spec.task_options(env) or []
+        finally:
+            env.close()
+        k = math.ceil(args.episodes / max(1, len(options)))
+        tasks = [Task(seed=args.seed + i, options=dict(o), meta={"sample": j})
+                 for i, o in enumerate(options) for j in range(k)][: args.episodes] or None
     cfg = RolloutConfig(max_turns=args.max_turns or 1_000_000, max_total_tokens=args.max_total_tokens, concurrency=args.concurrency,
                         sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                                 max_new_tokens=args.max_new_tokens))
@@ -112,10 +120,11 @@ def cmd_rollout(args) -> int:
     with JsonlWriter(args.out) as writer:
         trajs = run_episodes(lambda: gym.make(env_id, **env_kwargs), policy, args.episodes, cfg, seed=args.seed,
                              tasks=tasks, progress=True, on_trajectory=writer.write)
-    s = summarize(trajs, time.perf_counter() - t0)
-    print(f"episodes={s['episodes']} success={s['success_rate']:.3f} mean_turns={s['mean_turns']:.2f} "
-          f"tool_calls/ep={s['tool_calls_per_episode']:.2f} tokens={s['tokens']} truncation={s['truncation_rate']:.3f} "
-          f"errors={s['errors']} wall={s['wall_time_s']:.1f}s -> {args.out}")
+    m = batch_metrics(trajs)
+    errors = sum(t.finish_reason in ("env_error", "policy_error") for t in trajs)
+    print(f"episodes={len(trajs)} success={m['success_rate']:.3f} turns={m['turns_mean']:.2f} "
+          f"tool_rate={m['tool_share']:.2f} tool_calls={m['tool_calls_mean']:.2f} tokens={m['tokens']} "
+          f"truncation={m['truncation_rate']:.3f} errors={errors} wall={time.perf_counter() - t0:.1f}s -> {args.out}")
     return 0
 
 
@@ -130,22 +139,49 @@ def _add_config_args(p, *, env_required: bool = False) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
 
 
-def _config_from_args(args, default_preset: str | None = None):
-    from agentenv.config import load_config
+# The built-in tiny model runs on this CPU: a paper preset's cluster layout and lengths are resized for it (before
+# --set, so any of these can be set back). `--dry-run` prints the result.
+TINY_CPU_OVERRIDES = {
+    "model.backend": "hf", "model.dtype": "float32", "model.gradient_checkpointing": "false",
+    "loop.backend": "local", "loop.num_workers": 1, "launch.gpus": 0, "launch.vllm_engines": 0,
+    "launch.learner_world_size": 1, "algo.max_tokens_per_microbatch": "null", "rollout.max_new_tokens": 128,
+    "rollout.max_generated_tokens": "null", "eval.episodes": 8, "eval.samples": 1,
+}
 
-    preset = args.preset or getattr(args, "env", None) or default_preset
+
+def _config_from_args(args, default_preset: str | None = None):
+    """Preset (``--preset``; else the one the env declares; else the default for its kind), then the model
+    choice, then ``--variant`` and ``--set``. ``--resume RUN`` starts from ``RUN/config.yaml`` instead."""
+    from agentenv.config import ConfigError, list_presets, load_config
+
+    env, pre = getattr(args, "env", None), []
+    if getattr(args, "resume", None):
+        path = os.path.join(args.resume, "config.yaml")
+        if not os.path.isfile(path):
+            raise ConfigError(f"--resume {args.resume}: no config.yaml there (is it a run directory?)")
+        return load_config(path, [], [f"run.dir={args.resume}"] + list(args.overrides))
+    preset = args.preset or default_preset
+    if preset is None and env is not None:
+        if env in list_presets():
+            preset = env  # a preset named like the env (e.g. demo)
+        else:
+            from agentenv.envs import spec
+
+            try:
+                env_id = spec.resolve(env)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            preset = spec.default_preset(env_id)
+            pre.append(f"env.id={env}")
     if preset is None:
         raise SystemExit("error: give --env ENV or --preset NAME (see `agentenv list`)")
-    pre = []
     model = getattr(args, "model", None)
     if model:
         pre.append(f"model.name={model}")
         from agentenv.models import is_tiny
 
         if is_tiny(model) or model == "expert":
-            # the built-in tiny model runs on this CPU: local threads, transformers sampler, float32
-            pre += ["model.backend=hf", "model.dtype=float32", "loop.backend=local", "model.gradient_checkpointing=false",
-                    "algo.max_tokens_per_microbatch=null"]
+            pre += [f"{k}={v}" for k, v in TINY_CPU_OVERRIDES.items()]
     if getattr(args, "run_dir", None):
         pre.append(f"run.dir={args.run_dir}")
     return load_config(preset, args.variant, pre + list(args.overrides))
@@ -157,9 +193,12 @@ def _add_run(sub) -> None:
         description="Launch a FlashREINFORCE run. The preset for --env (configs/alfworld.yaml, configs/python_tool.yaml) "
                     "mirrors the paper's settings; --variant and --set change it. Example: agentenv run --env alfworld "
                     "--model qwen2.5-7b --dry-run")
-    p.add_argument("--env", default=None, help="alfworld | python | demo (selects the preset of the same name)")
+    p.add_argument("--env", default=None, help="an env alias (alfworld, python, guess), a preset (demo), a gymnasium id, "
+                   "or MODULE:ENV_ID (imports MODULE, which registers the env); selects the env's preset")
     p.add_argument("--model", default=None, help="tiny, tiny:HxL, tiny-bpe[:HxL], a local checkpoint dir, or an alias like qwen2.5-7b")
     _add_config_args(p)
+    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint "
+                   "(step counter, schedule, data order); --set may change e.g. loop.total_updates")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and launch plan, check that "
                    "model and data are reachable, train nothing")
     p.add_argument("--eval-only", action="store_true", help="evaluate the model on the preset's eval splits, no training")
@@ -178,7 +217,7 @@ def cmd_run(args) -> int:
     if args.dry_run:
         return dry_run(cfg)
     try:
-        run(cfg, eval_only=args.eval_only, progress=not args.no_progress)
+        run(cfg, eval_only=args.eval_only, resume=bool(args.resume), progress=not args.no_progress)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -257,14 +296,14 @@ def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a model/checkpoint on a preset's eval splits",
                        description="Play every task of the preset's eval splits (eval.samples times) and report success, "
                                    "tool-call rate and per-type success. Same as `run --eval-only`.")
-    p.add_argument("--env", default=None, help="alfworld | python | demo")
-    p.add_argument("--model", required=True, help="checkpoint dir (e.g. RUN/sft_model), tiny, or an alias")
+    p.add_argument("--env", default=None, help="an env alias, a preset, a gymnasium id or MODULE:ENV_ID")
+    p.add_argument("--model", required=True, help="model dir (e.g. RUN/final_model), tiny, or an alias")
     _add_config_args(p)
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args) -> int:
-    args.dry_run, args.eval_only = False, True
+    args.dry_run, args.eval_only, args.resume = False, True, None
     return cmd_run(args)
 
 

@@ -143,9 +143,8 @@ class RunSection(_Section):
 class LaunchConfig(_Section):
     """Where the run's parts go: printed by --dry-run as the launch plan, and what the run starts."""
 
-    gpus: int = Field(0, ge=0)  # total GPUs: learner + rollout engines
-    learner_gpus: int = Field(0, ge=0)
-    vllm_engines: int = Field(0, ge=0)
+    gpus: int = Field(0, ge=0)  # GPUs the plan needs (learner ranks + engines; colocated: 1); the run stops with fewer
+    vllm_engines: int = Field(0, ge=0)  # model.backend=vllm: 0 = one per rollout worker (ray) / one (local)
     vllm_tensor_parallel: int = Field(1, ge=1)
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, lt=1)  # engine's share of its GPU (colocated: < 1)
     vllm_sleep: bool = True  # colocated engine releases its KV cache during the learner step (vLLM sleep mode)
@@ -177,6 +176,21 @@ class RunConfig(_Section):
             raise ValueError("internal: variants must be applied before validation")
         return v
 
+    @model_validator(mode="after")
+    def _across_sections(self):
+        if "max_turns" in self.env.kwargs:
+            raise ValueError("env.kwargs.max_turns: the turn limit is rollout.max_turns (one limit for the runtime and "
+                             "the env); set that instead")
+        if self.model.backend == "vllm":
+            engines = self.loop.num_workers if self.loop.backend == "ray" else 1
+            if self.launch.vllm_engines not in (0, engines):
+                raise ValueError(f"launch.vllm_engines={self.launch.vllm_engines}: with model.backend=vllm each "
+                                 f"{'Ray rollout actor' if self.loop.backend == 'ray' else 'local run'} owns one engine, "
+                                 f"so this run has {engines} (set loop.num_workers, or vllm_engines 0 or {engines})")
+        elif self.launch.vllm_engines:
+            raise ValueError("launch.vllm_engines > 0 needs model.backend=vllm")
+        return self
+
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
 
@@ -185,10 +199,6 @@ class RunConfig(_Section):
 
 
 # --- presets ---------------------------------------------------------------------------------------------------------
-ENV_PRESETS = {"alfworld": "alfworld", "python": "python_tool", "python_tool": "python_tool", "demo": "demo",
-               "agentenv/alfworld-v0": "alfworld", "agentenv/pythontool-v0": "python_tool"}
-
-
 def config_dirs() -> list[Path]:
     dirs = []
     if os.environ.get("AGENTENV_CONFIGS"):
@@ -211,7 +221,7 @@ def find_preset(name: str) -> Path:
     p = Path(name).expanduser()
     if p.suffix in (".yaml", ".yml") and p.is_file():
         return p
-    key = ENV_PRESETS.get(name.lower(), name)
+    key = name
     presets = list_presets()
     if key not in presets:
         raise ConfigError(f"no preset named {name!r}. Presets: {', '.join(presets) or '(none found)'}; searched "

@@ -2,7 +2,8 @@
 
 ``gymnasium.make("agentenv/GuessNumber-v0")`` etc. Importing :mod:`agentenv` registers them; entry points are
 strings, so heavy dependencies (alfworld, the sandbox) load only when that env is made. ``ENV_ALIASES`` maps the
-short names the CLI accepts (``--env alfworld``) to ids.
+short names the CLI accepts (``--env alfworld``) to ids. What the training harness needs to know about an env (its
+preflight checks, task lists, preset, turn limit) it asks of the env itself: :mod:`agentenv.envs.spec`.
 """
 
 from __future__ import annotations
@@ -35,11 +36,10 @@ _register("agentenv/ALFWorld-v0", "agentenv.envs.alfworld:ALFWorldEnv")
 
 
 def resolve_env_id(name: str) -> str:
-    env_id = ENV_ALIASES.get(name.lower(), name)
-    if env_id not in gym.registry:
-        known = ", ".join(sorted(ENV_ALIASES)) + "; ids: " + ", ".join(sorted(k for k in gym.registry if k.startswith("agentenv/")))
-        raise ValueError(f"unknown environment {name!r}. Known: {known}")
-    return env_id
+    """Alias, registered id or ``module:EnvId`` -> registered id (see :func:`agentenv.envs.spec.resolve`)."""
+    from agentenv.envs.spec import resolve
+
+    return resolve(name)
 
 
 __all__ = ["TextEnv", "UnicodeText", "ENV_ALIASES", "EXPERTS", "resolve_env_id"]

@@ -225,6 +225,9 @@ def _format_commands(commands: list[str]) -> str:
 class ALFWorldEnv(TextEnv):
     """One ALFWorld game per episode; see the module docstring for the contract."""
 
+    metadata = {**TextEnv.metadata, "agentenv": {"preset": "alfworld"}}
+    FULL_SPLIT_SIZES = {"train": 3553, "valid_seen": 140, "valid_unseen": 134}
+
     def __init__(
         self,
         split: str = "train",
@@ -416,6 +419,35 @@ class ALFWorldEnv(TextEnv):
         # valid; anything else drops it and the next expert_action replans from the new state.
         if facts_before is not None and set(self._pddl()[0].facts) != facts_before:
             self._plan = None
+
+    # ------------------------------------------------------------------------------------- what the harness asks
+    def task_options(self) -> list[dict]:
+        """One task per game of this env's split, in the split's sorted order."""
+        return [{"game": i} for i in range(len(self.games))]
+
+    @classmethod
+    def preflight(cls, *, splits, data_dir=None, task_types=None, **_) -> list:
+        """The alfworld package, and games for every split the run will train or evaluate on."""
+        from agentenv.envs.spec import Check
+
+        out = []
+        for split in dict.fromkeys(s or "train" for s in splits):
+            try:
+                games = list_games(split, data_dir, task_types)
+                full = cls.FULL_SPLIT_SIZES.get(canonical_split(split))
+                note = (f" (the full split has {full}: set $ALFWORLD_DATA for paper numbers)"
+                        if full and len(games) < full else "")
+                out.append(Check(f"alfworld {split}", True,
+                                 f"{len(games)} games under {resolve_data_root(data_dir)}{note}"))
+            except Exception as e:  # noqa: BLE001 -- reported, not raised: a dry run shows every problem at once
+                out.append(Check(f"alfworld {split}", False, str(e)))
+        try:
+            import alfworld  # noqa: F401
+
+            out.append(Check("alfworld package", True, "importable"))
+        except ImportError:
+            out.append(Check("alfworld package", False, "pip install 'agentenv[alfworld]' (needs a C++ compiler)"))
+        return out
 
     def _expert_action(self) -> str | None:
         if self._plan is None or self._plan_pos >= len(self._plan):

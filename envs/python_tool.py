@@ -28,6 +28,7 @@ import math
 import os
 import random
 import weakref
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from agentenv.envs.tasks import Task
@@ -170,6 +171,34 @@ def format_result(r: Any, limits: Any) -> str:
 
 
 class PythonToolEnv(ToolEnv):
+    metadata = {**ToolEnv.metadata, "agentenv": {"preset": "python_tool"}}
+
+    @classmethod
+    def preflight(cls, *, splits=(), backend: str = "bubblewrap", tasks: Any = None, **_) -> list:
+        """The sandbox backend the tool runs in, and a task file when one is configured."""
+        import shutil
+
+        from agentenv.envs.spec import Check
+
+        out = []
+        if backend == "bubblewrap":
+            path = shutil.which("bwrap")
+            out.append(Check("sandbox bubblewrap", path is not None, path or "bwrap not found: apt-get install "
+                             "bubblewrap (or --set env.kwargs.backend=subprocess, UNSAFE)"))
+        elif backend == "docker":
+            try:
+                import docker
+
+                docker.from_env().ping()
+                out.append(Check("sandbox docker", True, "engine answers"))
+            except Exception as e:  # noqa: BLE001 -- any failure means the engine is not usable
+                out.append(Check("sandbox docker", False, f"no Docker engine answers: {e}"))
+        else:
+            out.append(Check(f"sandbox {backend}", True, "configured"))
+        if isinstance(tasks, (str, os.PathLike)):
+            out.append(Check("tasks file", Path(tasks).exists(), str(tasks)))
+        return out
+
     def __init__(
         self,
         tasks: Iterable[Task | Mapping[str, Any]] | str | os.PathLike | None = None,

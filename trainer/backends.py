@@ -9,6 +9,7 @@ says which episode starts on which worker, and the backend moves calls and data.
 * ``sleep()`` / ``wake_up()``: around the learner step, so a colocated vLLM engine can free its KV cache.
 * ``alive_workers()``, ``kill_worker`` (fault injection), ``restart_worker``, ``close() -> {"leftover_threads": n}``.
 * ``components() -> dict``: what actually started (sampler kind, backend, engines), for ``summary.json``.
+* ``local_policy()``: the in-process sampler holding the published weights, or None (Ray: samplers live in actors).
 
 :class:`LocalBackend` keeps the workers as thread groups in this process sharing ONE sampler through one
 :class:`~agentenv.runtime.Batcher` (generation is batched across every in-flight episode); weight sync is an
@@ -45,6 +46,7 @@ class Backend(Protocol):
     def kill_worker(self, wid: int) -> None: ...
     def restart_worker(self, wid: int) -> None: ...
     def components(self) -> dict: ...
+    def local_policy(self): ...
     def close(self) -> dict: ...
 
 
@@ -121,6 +123,9 @@ class LocalBackend:
     def restart_worker(self, wid: int) -> None:
         self._retired.append(self.workers[wid])
         self.workers[wid] = self._new(wid)
+
+    def local_policy(self):
+        return self.policy
 
     def components(self) -> dict:
         kind = sampler_kind(self.policy)

@@ -296,3 +296,40 @@ def _merge_stats(parts: list[tuple[list[int], dict]], batch_size: int) -> dict:
         n_pol = [int(st["policy_tokens"].sum()) for _, st in parts]
         stats["entropy_mean"] = sum(n * float(st["entropy_mean"]) for n, (_, st) in zip(n_pol, parts)) / sum(n_pol)
     return stats
+
+
+# --- interim single-device factory (replaced by the sharded learner's factory) ------------------------------------
+def make_learner(cfg, model_path: str, device: str | None = None) -> "Learner":
+    from transformers import AutoModelForCausalLM
+
+    a = cfg.algo
+    if cfg.launch.learner_world_size > 1:
+        raise ValueError("launch.learner_world_size > 1 is not available in this build")
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
+    lc = LearnerConfig(lr=a.lr, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, schedule=a.schedule,
+                       total_steps=cfg.loop.total_updates, warmup_ratio=a.warmup_ratio, min_lr_ratio=a.min_lr_ratio,
+                       loss=a.loss, delta=a.delta, no_trust=a.no_trust, no_is=a.no_is, token_mean=a.token_mean,
+                       negative_token_fraction=a.negative_token_fraction, grpo_clip_eps=a.grpo_clip_eps,
+                       temperature=cfg.rollout.temperature, max_tokens_per_microbatch=a.max_tokens_per_microbatch,
+                       gradient_checkpointing=cfg.model.gradient_checkpointing, compute_entropy=True)
+    learner = Learner(model, lc, device=device)
+    learner.model_path = model_path
+    return learner
+
+
+def _save_pretrained(self, out, tokenizer_from: str | None = None):
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    self.model.save_pretrained(out)
+    if tokenizer_from:
+        AutoTokenizer.from_pretrained(tokenizer_from, local_files_only=True).save_pretrained(out)
+    return out
+
+
+Learner.save_pretrained = _save_pretrained
+Learner.components = lambda self: {"strategy": "single", "world_size": 1, "master_dtype": "float32",
+                                   "compute_dtype": "float32"}
+Learner.close = lambda self: None

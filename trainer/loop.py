@@ -110,6 +110,10 @@ class Trainer:
         """Fault injection (tests, chaos drills): crash worker ``wid`` now; the loop accounts and restarts it."""
         self._backend.kill_worker(wid)
 
+    def local_policy(self):
+        """The in-process sampler holding the current weights (local backend), else None (Ray: it lives in actors)."""
+        return self._backend.local_policy() if self._backend is not None else None
+
     def inflight_on(self, wid: int) -> int:
         return sum(f.wid == wid for f in self.ledger.inflight.values())
 

@@ -209,6 +209,9 @@ class RayBackend:
     def wake_up(self) -> None:
         self._on_live("wake_up")
 
+    def local_policy(self):
+        return None
+
     def components(self) -> dict:
         kinds = set()
         for w in self.workers:

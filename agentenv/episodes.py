@@ -1,0 +1,72 @@
+"""What the episodes of a run are: the env to build, its tasks, and the runtime settings -- from a RunConfig.
+
+One function each, used by training, evaluation and ``agentenv rollout`` alike:
+
+* :func:`env_factory(cfg, split)` -> a picklable ``make_env`` (gymnasium id + constructor kwargs; the turn limit and
+  split come from the config through :func:`agentenv.envs.spec.make_kwargs`; ``env.tasks: demo`` adds the CPU demo's
+  task set).
+* :func:`task_list(cfg, split, limit, samples)` -> runtime :class:`~agentenv.runtime.Task` objects: one per task the
+  env declares (:func:`agentenv.envs.spec.task_options`), or seeds ``0..env.num_tasks-1`` for an env without a task
+  list. For training, an env with more tasks than ``env.num_tasks`` contributes a seeded subset of that size.
+* :func:`rollout_config(cfg, eval=...)` -> the runtime's :class:`~agentenv.runtime.RolloutConfig` (the ONE converter
+  from the ``rollout`` section; evaluation swaps in ``eval.temperature`` / ``eval.top_p`` when set).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from agentenv.config import RunConfig
+from agentenv.envs import spec
+
+
+def env_kwargs(cfg: RunConfig, split: str | None = None) -> dict:
+    env_id = spec.resolve(cfg.env.id)
+    kw = dict(cfg.env.kwargs)
+    if cfg.env.tasks == "demo":
+        from agentenv import demo
+
+        kw.setdefault("tasks", [t.__dict__ for t in demo.demo_tasks(cfg.env.num_tasks, seed=cfg.loop.seed)])
+        kw.setdefault("system_prompt", demo.SYSTEM_PROMPT)
+        kw.setdefault("tool_doc", demo.TOOL_DOC)
+    split = split if split is not None else (cfg.env.train_split if spec.takes(env_id, "split") else None)
+    return spec.make_kwargs(env_id, kw, max_turns=cfg.rollout.max_turns, split=split)
+
+
+def env_factory(cfg: RunConfig, split: str | None = None):
+    from agentenv.trainer.backends import GymEnvFactory
+
+    return GymEnvFactory(spec.resolve(cfg.env.id), env_kwargs(cfg, split))
+
+
+def task_list(cfg: RunConfig, split: str | None = None, *, limit: int | None = None, samples: int = 1) -> list:
+    from agentenv.runtime import Task
+
+    env = env_factory(cfg, split)()
+    try:
+        options = spec.task_options(env)
+    finally:
+        env.close()
+    n = len(options) if options else cfg.env.num_tasks
+    index = list(range(n))
+    if split is None and n > cfg.env.num_tasks:  # training on a seeded subset (e.g. ALFWorld's 1,024 games)
+        index = sorted(np.random.default_rng(cfg.loop.seed).choice(n, cfg.env.num_tasks, replace=False).tolist())
+    if limit is not None:
+        index = index[:limit]
+    return [Task(seed=i, options=dict(options[i]) if options else None, meta={"sample": s})
+            for i in index for s in range(samples)]
+
+
+def rollout_config(cfg: RunConfig, *, eval: bool = False, concurrency: int = 8):
+    from agentenv.policy import SamplingParams
+    from agentenv.runtime import RolloutConfig
+
+    r = cfg.rollout
+    temperature = (cfg.eval.temperature if eval and cfg.eval.temperature else None) or r.temperature
+    top_p = (cfg.eval.top_p if eval and cfg.eval.top_p else None) or r.top_p
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+    kw = {}
+    if r.max_generated_tokens is not None:
+        kw["max_generated_tokens"] = r.max_generated_tokens
+    return RolloutConfig(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, sampling=sampling,
+                         concurrency=concurrency, return_entropy=False, **kw)

@@ -1,0 +1,32 @@
+"""Evaluation: play every task of a split (``eval.samples`` times each) and summarise with the batch statistics.
+
+:func:`evaluate(cfg, policy, split)` builds the split's env and tasks through :mod:`agentenv.episodes`, runs them
+through :func:`agentenv.runtime.run_episodes` at the eval sampling settings (``eval.temperature`` / ``eval.top_p``,
+else the rollout's), and returns :func:`agentenv.metrics.batch_metrics` of the trajectories (success, per-type
+success, tool-call rate, ...) plus ``episodes`` and ``wall_s``. ``split=None`` evaluates on the training tasks.
+The same function serves periodic evaluation during a run, ``agentenv run --eval-only`` and ``agentenv eval``.
+The policy must already hold the weights to evaluate (the run loads the learner's current weights into it).
+"""
+
+from __future__ import annotations
+
+import time
+
+from agentenv.config import RunConfig
+from agentenv.episodes import env_factory, rollout_config, task_list
+
+
+def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | None = None,
+             samples: int | None = None, progress: bool = True) -> dict:
+    from agentenv.metrics import batch_metrics
+    from agentenv.runtime import run_episodes
+
+    tasks = task_list(cfg, split, limit=limit or cfg.eval.episodes, samples=samples or cfg.eval.samples)
+    t0 = time.perf_counter()
+    trajs = run_episodes(env_factory(cfg, split), policy, len(tasks),
+                         rollout_config(cfg, eval=True, concurrency=min(16, len(tasks))), tasks=tasks,
+                         progress=progress)
+    m = batch_metrics(trajs)
+    m.pop("tokens", None)
+    m.update(episodes=len(trajs), wall_s=time.perf_counter() - t0)
+    return m

@@ -1,0 +1,161 @@
+"""The launch plan: computed ONCE from the config and the machine, printed by ``--dry-run``, executed by ``run``.
+
+:func:`launch_plan(cfg)` -> a JSON-able dict: the env and its preflight checks (asked of the env:
+:mod:`agentenv.envs.spec`), the model path, the device, and ``components`` -- exactly what the run will start:
+
+``{"sampler": "hf"|"vllm", "rollout_backend": "local"|"ray", "vllm_engines": N,
+   "learner": {"strategy": "single"|"fsdp2", "world_size": W, "master_dtype": "float32",
+               "compute_dtype": "bfloat16"|"float32"}}``
+
+plus ``colocated`` (the vLLM engine shares the learner's GPU: it sleeps during the learner step when
+``launch.vllm_sleep``). ``run`` writes this plan to ``RUN/plan.json`` and what actually started to
+``RUN/summary.json["components"]``; they must agree (a test holds them to it).
+
+:func:`problems(plan)` lists every reason the plan cannot start (model or data missing, vLLM not importable, fewer
+GPUs than planned, no NCCL for a GPU learner group): :func:`preflight` raises :class:`LaunchError` with all of them
+and their fixes -- a planned component that cannot start stops the run; there is no silent fallback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from agentenv.config import RunConfig
+
+
+class LaunchError(RuntimeError):
+    """Something the run needs is missing; the message says what and how to provide it."""
+
+
+def compute_dtype(cfg: RunConfig, device: str) -> str:
+    if cfg.model.dtype == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    return cfg.model.dtype
+
+
+def launch_plan(cfg: RunConfig) -> dict:
+    import torch
+
+    from agentenv.envs import spec
+    from agentenv.models import ModelNotAvailable, resolve_model
+
+    cuda = torch.cuda.is_available()
+    ngpu = torch.cuda.device_count() if cuda else 0
+    device = cfg.model.device or ("cuda" if cuda else "cpu")
+    try:
+        model_path, model_error = resolve_model(cfg.model.name).path, None
+    except (ModelNotAvailable, ValueError) as e:
+        model_path, model_error = None, str(e)
+    checks = []
+    try:
+        env_id = spec.resolve(cfg.env.id)
+        splits = [cfg.env.train_split] + (list(cfg.eval.splits) if cfg.eval.every or cfg.eval.at_start
+                                          or cfg.eval.at_end else [])
+        checks += [c.__dict__ for c in spec.preflight(env_id, dict(cfg.env.kwargs), splits)]
+    except ValueError as e:
+        env_id = cfg.env.id
+        checks.append({"what": "env", "ok": False, "detail": str(e)})
+    if cfg.sft.enabled and cfg.sft.demos != "scripted":
+        from pathlib import Path
+
+        checks.append({"what": "sft demos", "ok": Path(cfg.sft.demos).exists(), "detail": cfg.sft.demos})
+
+    vllm = cfg.model.backend == "vllm"
+    engines = (cfg.loop.num_workers if cfg.loop.backend == "ray" else 1) if vllm else 0
+    world = cfg.launch.learner_world_size
+    gpus_needed = cfg.launch.gpus
+    colocated = vllm and device.startswith("cuda") and max(ngpu, gpus_needed) <= 1
+    if vllm:
+        ok = importlib.util.find_spec("vllm") is not None
+        checks.append({"what": "vllm", "ok": ok, "detail": "importable" if ok else
+                       "model.backend=vllm but vllm is not installed: pip install 'agentenv[vllm]' (GPU), "
+                       "scripts/install_vllm_cpu.sh (CPU), or --set model.backend=hf"})
+    if cfg.loop.backend == "ray":
+        ok = importlib.util.find_spec("ray") is not None
+        checks.append({"what": "ray", "ok": ok, "detail": "importable" if ok else
+                       "loop.backend=ray but ray is not installed: pip install 'agentenv[ray]' or "
+                       "--set loop.backend=local"})
+    if gpus_needed:
+        checks.append({"what": "gpus", "ok": ngpu >= gpus_needed,
+                       "detail": f"{ngpu} visible, {gpus_needed} planned (launch.gpus)" + (
+                           "" if ngpu >= gpus_needed else ": run on a machine with enough GPUs, or plan fewer "
+                           "(--set launch.gpus=N ...)")})
+    if world > 1 and device.startswith("cuda"):
+        import torch.distributed as dist
+
+        ok = dist.is_available() and dist.is_nccl_available()
+        checks.append({"what": "nccl", "ok": ok, "detail": "available" if ok else
+                       "a GPU learner group needs NCCL: install a CUDA build of torch with NCCL"})
+    return {
+        "env": env_id,
+        "model": {"name": cfg.model.name, "path": model_path, "error": model_error, "dtype": cfg.model.dtype},
+        "device": device,
+        "visible_gpus": ngpu,
+        "components": {
+            "sampler": cfg.model.backend,
+            "rollout_backend": cfg.loop.backend,
+            "vllm_engines": engines,
+            "learner": {"strategy": "fsdp2" if world > 1 else "single", "world_size": world,
+                        "master_dtype": "float32", "compute_dtype": compute_dtype(cfg, device)},
+        },
+        "colocated": colocated,
+        "sleep_samplers_during_update": bool(colocated and cfg.launch.vllm_sleep),
+        "rollout": {"workers": cfg.loop.num_workers, "episodes_in_flight": cfg.loop.num_workers * cfg.loop.concurrency,
+                    "ray_address": cfg.launch.ray_address or ("local cluster" if cfg.loop.backend == "ray" else None),
+                    "vllm_tensor_parallel": cfg.launch.vllm_tensor_parallel if vllm else None},
+        "algorithm": {"loss": cfg.algo.loss, "mode": cfg.loop.mode,
+                      "batch": f"{cfg.loop.batch_size // cfg.loop.group_size} prompts x {cfg.loop.group_size} samples",
+                      "delta": "inf (no_trust)" if cfg.algo.no_trust else cfg.algo.delta,
+                      "failure_filter_q": cfg.algo.negative_token_fraction, "lr": cfg.algo.lr,
+                      "schedule": cfg.algo.schedule, "updates": cfg.loop.total_updates},
+        "checks": checks,
+        "run_dir": cfg.run.dir or f"runs/{cfg.run.name}-<time>",
+    }
+
+
+def problems(plan: dict) -> list[str]:
+    out = [] if plan["model"]["path"] else [plan["model"]["error"]]
+    return out + [f"{c['what']}: {c['detail']}" for c in plan["checks"] if not c["ok"]]
+
+
+def preflight(plan: dict) -> None:
+    bad = problems(plan)
+    if bad:
+        raise LaunchError("cannot start:\n" + "\n".join("  - " + p.replace("\n", "\n    ") for p in bad)
+                          + "\n  (agentenv run ... --dry-run shows the whole plan)")
+
+
+def print_plan(cfg: RunConfig, plan: dict, out=print) -> int:
+    out("# resolved config")
+    out(cfg.to_yaml().rstrip())
+    out("\n# launch plan (what `run` starts)")
+    m, c = plan["model"], plan["components"]
+    out(f"env      {plan['env']}")
+    out(f"model    {m['name']} -> {m['path'] or 'NOT AVAILABLE'}")
+    ln = c["learner"]
+    out(f"learner  {ln['strategy']} x{ln['world_size']} on {plan['device']}: float32 master weights + AdamW state, "
+        f"{ln['compute_dtype']} compute; visible GPUs {plan['visible_gpus']}")
+    r = plan["rollout"]
+    backend = "Ray actors (" + r["ray_address"] + ")" if c["rollout_backend"] == "ray" else "local threads"
+    out(f"rollout  {r['workers']} workers as {backend}, {r['episodes_in_flight']} episodes in flight")
+    if c["sampler"] == "vllm":
+        out(f"sampler  vllm: {c['vllm_engines']} engine(s), tensor parallel {r['vllm_tensor_parallel']}"
+            + ("; colocated with the learner" + (", sleeping during the learner step"
+                                                  if plan["sleep_samplers_during_update"] else "")
+               if plan["colocated"] else ""))
+    else:
+        out("sampler  transformers (HFPolicy)")
+    a = plan["algorithm"]
+    out(f"algo     {a['loss']} {a['mode']}: {a['batch']} per update, delta={a['delta']}, q={a['failure_filter_q']}, "
+        f"lr={a['lr']} ({a['schedule']}), {a['updates']} updates")
+    for item in plan["checks"]:
+        out(f"check    [{'ok' if item['ok'] else 'MISSING'}] {item['what']}: {item['detail']}")
+    out(f"run dir  {plan['run_dir']}")
+    bad = problems(plan)
+    if bad:
+        out("\n# checks FAILED -- a real run would stop here:")
+        for p in bad:
+            out("  - " + p.replace("\n", "\n    "))
+        return 1
+    out("\n# checks passed: everything the plan starts is available")
+    return 0

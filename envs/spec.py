@@ -1,0 +1,121 @@
+"""What the training harness needs to know about an environment, asked of the environment itself.
+
+``agentenv run``, evaluation and ``agentenv list`` contain no env names: they call these functions, which read what
+the env class declares (all optional; a plain gymnasium env needs none of it):
+
+* ``preflight(cls, *, splits, **env_kwargs) -> list[Check]`` (classmethod): can the run start? (data present,
+  sandbox available, package importable). Default: no checks.
+* ``task_options(self) -> list[dict] | None`` (method of a built env): the reset options of every task of the split
+  the env was built with (``[{"task_index": i}, ...]``, ``[{"game": i}, ...]``). Default: one per ``self.tasks`` row
+  when the env has a task list, else ``None`` (episodes are then told apart by seed only).
+* ``metadata["agentenv"]`` (class attribute): ``{"preset": NAME}`` names the env's preset in ``configs/``;
+  without one, a tool env (:class:`~agentenv.envs.tool_env.ToolEnv`) gets the ``tool_env`` preset and any other env
+  the ``text_env`` preset.
+* The ONE turn limit is ``rollout.max_turns``: the runtime stops there, and an env whose constructor names a
+  ``max_turns`` parameter is built with the same value (:func:`make_kwargs`), so both agree. A ``split`` parameter
+  likewise receives the train or eval split.
+
+Env ids are aliases (``python``), registered ids (``agentenv/PythonTool-v0``) or gymnasium's ``module:EnvId`` form,
+which imports ``module`` (from the current directory too, as ``python -m`` would) so that it registers its envs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+
+import gymnasium as gym
+
+
+@dataclass(frozen=True)
+class Check:
+    what: str
+    ok: bool
+    detail: str
+
+
+def resolve(name: str) -> str:
+    """Alias, registered id, or ``module:EnvId`` -> a registered gymnasium id (importing ``module`` first)."""
+    from agentenv.envs import ENV_ALIASES
+
+    env_id = ENV_ALIASES.get(name.lower(), name)
+    if ":" in env_id:
+        module, env_id = env_id.split(":", 1)
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())  # like `python -m`: the user's module next to where they run
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"cannot import {module!r} for env {name!r}: {e}") from None
+    if env_id not in gym.registry:
+        known = ", ".join(sorted(ENV_ALIASES)) + "; ids: " + ", ".join(
+            sorted(k for k in gym.registry if k.startswith("agentenv/")))
+        raise ValueError(f"unknown environment {name!r}. Known: {known}; or MODULE:ENV_ID for an env your module "
+                         "registers with gymnasium.register")
+    return env_id
+
+
+def env_class(env_id: str) -> type:
+    ep = gym.spec(env_id).entry_point
+    if callable(ep):
+        return ep
+    module, attr = ep.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _named_params(cls: type) -> set[str]:
+    try:
+        sig = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return set()
+    return {n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def takes(env_id: str, param: str) -> bool:
+    """Whether the env's constructor names ``param`` explicitly (``**kwargs`` does not count)."""
+    return param in _named_params(env_class(env_id))
+
+
+def make_kwargs(env_id: str, kwargs: dict, *, max_turns: int, split: str | None = None) -> dict:
+    """The constructor kwargs for one build: the configured ones plus the run's turn limit and split."""
+    if "max_turns" in kwargs:
+        raise ValueError("env.kwargs.max_turns: the turn limit is rollout.max_turns (one limit for the runtime and "
+                         "the env); set that instead")
+    kw = dict(kwargs)
+    if takes(env_id, "max_turns"):
+        kw["max_turns"] = max_turns
+    if split is not None:
+        if not takes(env_id, "split"):
+            raise ValueError(f"{env_id} has no 'split' parameter: it cannot evaluate or train on split {split!r}")
+        kw["split"] = split
+    return kw
+
+
+def preflight(env_id: str, kwargs: dict, splits: list[str | None]) -> list[Check]:
+    cls = env_class(env_id)
+    fn = getattr(cls, "preflight", None)
+    return list(fn(splits=splits, **kwargs)) if callable(fn) else []
+
+
+def task_options(env: gym.Env) -> list[dict] | None:
+    u = env.unwrapped
+    fn = getattr(u, "task_options", None)
+    if callable(fn):
+        return fn()
+    tasks = getattr(u, "tasks", None)
+    if isinstance(tasks, (list, tuple)) and tasks:
+        return [{"task_index": i} for i in range(len(tasks))]
+    return None
+
+
+def default_preset(env_id: str) -> str:
+    from agentenv.envs.tool_env import ToolEnv
+
+    cls = env_class(env_id)
+    declared = (getattr(cls, "metadata", None) or {}).get("agentenv", {}).get("preset")
+    if declared:
+        return declared
+    return "tool_env" if isinstance(cls, type) and issubclass(cls, ToolEnv) else "text_env"
