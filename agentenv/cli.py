@@ -340,7 +340,7 @@ def cmd_list(args) -> int:
 
     import agentenv  # noqa: F401
     from agentenv.config import list_presets, preset_variants, read_yaml
-    from agentenv.envs import ENV_ALIASES, EXPERTS
+    from agentenv.envs import ENV_ALIASES, EXPERTS, spec
     from agentenv.models import ALIASES
 
     if args.what in ("envs", "all"):
@@ -350,7 +350,9 @@ def cmd_list(args) -> int:
             by_id.setdefault(env_id, []).append(alias)
         for env_id in sorted(k for k in gym.registry if k.startswith("agentenv/")):
             extra = " [--model expert available]" if env_id in EXPERTS else ""
-            print(f"  {', '.join(by_id.get(env_id, [])) or '-':22s} {env_id}{extra}")
+            print(f"  {', '.join(by_id.get(env_id, [])) or '-':22s} {env_id:26s} preset {spec.default_preset(env_id)}"
+                  f"{extra}")
+        print("  (any gymnasium env: --env MODULE:ENV_ID; without a preset of its own it gets tool_env or text_env)")
     if args.what in ("models", "all"):
         print("models:")
         print("  tiny, tiny:HIDDENxLAYERS  built-in Qwen2-architecture model, real Qwen2.5 tokenizer (no download)")

@@ -25,7 +25,7 @@ def test_list_shows_envs_models_presets(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "agentenv/ALFWorld-v0" in out and "qwen2.5-7b" in out and "Qwen/Qwen2.5-7B-Instruct" in out
-    assert "alfworld" in out and "variants: no_trust, no_is, token_mean, negative_q09, negative_q02, grpo" in out
+    assert "alfworld" in out and "variants: no_trust, no_is, token_mean, negative_q09, negative_q02, negative_q00, grpo" in out
 
 
 def test_dry_run_prints_paper_setting_and_flags_missing_weights(capsys, tmp_path, monkeypatch):
@@ -35,7 +35,7 @@ def test_dry_run_prints_paper_setting_and_flags_missing_weights(capsys, tmp_path
     assert rc == 1  # a check failed, but everything was printed
     for s in ("name: qwen2.5-7b", "max_turns: 50", "batch_size: 64", "delta: 0.001", "negative_token_fraction: 0.9",
               "max_total_tokens: 16384", "max_generated_tokens: 8192", "every: 40", "samples: 3",
-              "# launch plan", "vllm     4 engine(s)", "NOT AVAILABLE", "huggingface-cli download Qwen/Qwen2.5-7B-Instruct"):
+              "# launch plan", "sampler  vllm: 4 engine(s)", "learner  fsdp2 x4", "NOT AVAILABLE", "huggingface-cli download Qwen/Qwen2.5-7B-Instruct"):
         assert s in out, s
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from agentenv.config import ConfigError, list_presets, load_config, parse_override
+from agentenv.config import ConfigError, list_presets, load_config, parse_override, preset_variants
 
 
 def test_presets_exist_and_validate():
@@ -44,9 +44,9 @@ def test_variants(variant, field, value):
 
 def test_set_overrides_parse_yaml_values():
     c = load_config("demo", [], ["loop.batch_size=4", "algo.lr=1e-5", "eval.splits=[a, b]", "model.device=null",
-                                 "env.kwargs.backend=subprocess"])
+                                 "env.kwargs.persistent=false"])
     assert c.loop.batch_size == 4 and c.algo.lr == 1e-5 and c.eval.splits == ["a", "b"] and c.model.device is None
-    assert c.env.kwargs["backend"] == "subprocess" and c.env.kwargs["max_turns"] == 3  # kwargs merge key by key
+    assert c.env.kwargs["persistent"] is False and c.env.kwargs["backend"] == "bubblewrap"  # kwargs merge key by key
 
 
 def test_unknown_key_is_a_clear_error():
@@ -82,3 +82,69 @@ def test_yaml_round_trip(tmp_path):
     p.write_text(c.to_yaml())
     again = load_config(str(p))
     assert again.to_dict() == c.to_dict()
+
+
+# The paper's published settings (the reference repository's per-setting files and their common defaults), key by key.
+PAPER = {
+    "alfworld": {
+        "model.name": "qwen2.5-7b", "model.dtype": "bfloat16", "env.train_split": "train", "env.num_tasks": 1024,
+        "loop.batch_size": 64, "loop.group_size": 1, "loop.queue_size": 1, "loop.mode": "async",
+        "rollout.max_turns": 50, "rollout.max_total_tokens": 16384, "rollout.max_generated_tokens": 8192,
+        "rollout.temperature": 1.0, "rollout.top_p": 1.0, "rollout.top_k": 0,
+        "algo.delta": 1e-3, "algo.negative_token_fraction": 0.9, "algo.lr": 1e-6, "algo.schedule": "constant",
+        "algo.weight_decay": 0.1, "algo.max_grad_norm": 1.0, "loop.total_updates": 200,
+        "eval.every": 40, "eval.splits": ["valid_seen", "valid_unseen"], "eval.samples": 3,
+        "eval.temperature": 1.0, "eval.top_p": 0.7,
+    },
+    "python_tool": {
+        "model.name": "qwen2.5-7b", "model.dtype": "bfloat16",
+        "loop.batch_size": 128, "loop.group_size": 1, "loop.queue_size": 1, "loop.mode": "async",
+        "rollout.max_turns": 10, "rollout.max_total_tokens": 8192, "rollout.max_generated_tokens": 6144,
+        "rollout.temperature": 1.0, "rollout.top_p": 1.0, "rollout.top_k": 0,
+        "algo.delta": 1e-3, "algo.negative_token_fraction": 1.0, "algo.lr": 1e-6, "algo.schedule": "cosine",
+        "algo.warmup_ratio": 0.03, "algo.min_lr_ratio": 0.1,
+        "eval.every": 100, "eval.at_start": True, "eval.samples": 4, "eval.temperature": 0.7, "eval.top_p": 0.7,
+    },
+}
+VARIANTS = {
+    "alfworld": {"no_trust": {"algo.no_trust": True}, "no_is": {"algo.no_is": True},
+                 "token_mean": {"algo.token_mean": True}, "negative_q09": {"algo.negative_token_fraction": 0.9},
+                 "negative_q02": {"algo.negative_token_fraction": 0.2},
+                 "negative_q00": {"algo.negative_token_fraction": 0.0},
+                 "grpo": {"algo.loss": "grpo", "loop.mode": "sync_grpo", "loop.batch_size": 64, "loop.group_size": 8}},
+    "python_tool": {"no_trust": {"algo.no_trust": True}, "no_is": {"algo.no_is": True},
+                    "token_mean": {"algo.token_mean": True}, "negative_q09": {"algo.negative_token_fraction": 0.9},
+                    "negative_q02": {"algo.negative_token_fraction": 0.2},
+                    "negative_q00": {"algo.negative_token_fraction": 0.0},
+                    "constant_length": {"algo.constant_length": 6144},
+                    "grpo": {"algo.loss": "grpo", "loop.mode": "sync_grpo", "loop.batch_size": 128,
+                             "loop.group_size": 4}},
+}
+
+
+def _get(cfg, dotted):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def test_presets_equal_the_paper_settings_key_by_key():
+    for preset, table in PAPER.items():
+        c = load_config(preset)
+        wrong = {k: (_get(c, k), v) for k, v in table.items() if _get(c, k) != v}
+        assert not wrong, f"{preset}: (ours, paper) {wrong}"
+        assert set(preset_variants(preset)) == set(VARIANTS[preset])
+        for variant, over in VARIANTS[preset].items():
+            v = load_config(preset, [variant])
+            wrong = {k: (_get(v, k), x) for k, x in over.items() if _get(v, k) != x}
+            assert not wrong, f"{preset} --variant {variant}: (ours, paper) {wrong}"
+
+
+def test_one_turn_limit_and_one_engine_count():
+    with pytest.raises(ConfigError, match="rollout.max_turns"):
+        load_config("demo", [], ["env.kwargs.max_turns=5"])
+    with pytest.raises(ConfigError, match="vllm_engines"):
+        load_config("python_tool", [], ["launch.vllm_engines=3"])
+    with pytest.raises(ConfigError, match="needs model.backend=vllm"):
+        load_config("python_tool", [], ["model.backend=hf"])

@@ -3,7 +3,7 @@
 import json
 import logging
 
-from agentenv.metrics import BatchStatsLearner, MetricsLogger, batch_metrics, format_line, normalise, read_metrics
+from agentenv.metrics import MetricsLogger, batch_metrics, format_line, read_metrics, update_record
 from agentenv.plot import ascii_curve, plot_runs
 from agentenv.trajectory import Trajectory
 
@@ -25,29 +25,20 @@ def test_batch_metrics_values():
     assert m["success_a"] == 2 / 3 and m["success_b"] == 0.0
 
 
-def test_normalise_folds_prefixes():
-    m = normalise({"update": 3, "reward_mean": 0.5, "learner_reward_mean": 0.4, "learner_grad_norm": 1.0,
-                   "learner_batch_tool_share": 0.25, "learner_seq_kl_mean": 1e-4})
-    assert m["tool_share"] == 0.25 and m["grad_norm"] == 1.0 and m["seq_kl_mean"] == 1e-4
-    assert m["reward_mean"] == 0.5 and m["learner_reward_mean"] == 0.4
-
-
-class _Counting:
-    """Any object with ``update``: the wrapper is generic (the real Learner path runs in test_demo)."""
-
-    policy_version = 7
-
-    def update(self, trajs):
-        return {"loss": 0.0}
-
-
-def test_batch_stats_learner_adds_batch_metrics_and_delegates():
-    w = BatchStatsLearner(_Counting())
-    out = w.update([traj(1, success=True), traj()])
-    assert out["batch_tool_share"] == 0.5 and out["loss"] == 0.0
-    assert w.policy_version == 7
-    w.policy_version = 8
-    assert w._learner.policy_version == 8
+def test_update_record_is_built_once_with_plain_names_and_one_lag():
+    batch = [traj(1, success=True), traj()]
+    learner = {"loss": -0.5, "grad_norm": 0.2, "acceptance_rate": 0.5, "admitted": [True, False], "reward_mean": 9.0,
+               "policy_lag_mean": 99.0, "step": 4, "num_admitted": 1}
+    rec = update_record(update=4, policy_version=4, mode="async", batch=batch, lags=[(1.0, 2), (0.0, 0)],
+                        learner_stats=learner, counters={"started": 2, "accounting_balance": 0},
+                        timings={"time_learner_s": 1.5})
+    assert rec["update"] == 4 and rec["batch_size"] == 2 and rec["tool_share"] == 0.5
+    assert rec["reward_mean"] == 0.5  # the batch's, not a second copy from the learner
+    assert rec["lag_mean"] == 0.5 and rec["lag_max"] == 2 and "policy_lag_mean" not in rec
+    assert rec["loss"] == -0.5 and rec["grad_norm"] == 0.2 and rec["acceptance_rate"] == 0.5
+    assert "admitted" not in rec and rec["num_admitted"] == 1
+    assert rec["started"] == 2 and rec["time_learner_s"] == 1.5
+    assert not any(k.startswith("learner_batch_") or k.startswith("batch_") for k in rec)
 
 
 def test_logger_jsonl_tensorboard_line_and_collapse_alarm(tmp_path, caplog):
@@ -56,8 +47,8 @@ def test_logger_jsonl_tensorboard_line_and_collapse_alarm(tmp_path, caplog):
     shares = [0.2, 0.6, 0.8, 0.8, 0.7, 0.1, 0.05, 0.0, 0.0]
     with caplog.at_level(logging.WARNING, logger="agentenv.metrics"):
         for i, s in enumerate(shares, 1):
-            lg.log_update({"update": i, "elapsed_s": float(i), "learner_batch_tool_share": s,
-                           "learner_batch_tokens": 100, "success_rate": 0.5, "acceptance_rate": 1.0})
+            lg.log_update({"update": i, "elapsed_s": float(i), "tool_share": s,
+                           "tokens": 100, "success_rate": 0.5, "acceptance_rate": 1.0})
     lg.log_eval(9, "valid", {"success_rate": 0.5})
     lg.close()
     recs = read_metrics(tmp_path)
@@ -76,8 +67,8 @@ def test_plot_overlays_runs(tmp_path):
     for name, k in (("a", 1.0), ("b", 0.5)):
         lg = MetricsLogger(tmp_path / name, tensorboard=False, echo=None)
         for i in range(1, 8):
-            lg.log_update({"update": i, "elapsed_s": 1.0, "success_rate": k * i / 8, "learner_batch_tool_share": k,
-                           "lag_mean": 1.0, "lag_max": 2, "acceptance_rate": 1.0, "learner_batch_policy_tokens_mean": 9})
+            lg.log_update({"update": i, "elapsed_s": 1.0, "success_rate": k * i / 8, "tool_share": k,
+                           "lag_mean": 1.0, "lag_max": 2, "acceptance_rate": 1.0, "policy_tokens_mean": 9})
         lg.close()
     out = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp.png")
     assert out.stat().st_size > 10_000

@@ -1,65 +1,59 @@
-"""The README's "Writing a new tool environment" example, run exactly as written (README.md
-holds the same code; keep them identical)."""
+"""The README's "Writing a new tool environment" section, used exactly as a new user would: its ``shop_env.py``
+block is written to an empty directory, its usage block runs against it, and its training command runs there as a
+subprocess (2 updates of the tiny model) and must leave a ``metrics.jsonl`` with the tool-call rate."""
 
-# --- README example starts ---
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
 import gymnasium as gym
+import pytest
 
-from agentenv.envs.tool_env import ToolEnv
-from agentenv.envs.tools import tool
-
-PRICES = {"apple": 0.5, "bread": 2.25, "cheese": 7.8}
-STOCK = {"apple": 120, "bread": 14, "cheese": 3}
-
-
-@tool
-def lookup(item: str, field: str = "price") -> float:
-    """Look up a shop item's unit price (in euros) or how many are in stock.
-
-    Args:
-        item: Item name, e.g. "apple".
-        field: "price" or "stock".
-    """
-    table = PRICES if field == "price" else STOCK
-    return table[item]  # an unknown item raises KeyError; the model sees it as a tool error
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+SECTION = README.split("## Writing a new tool environment", 1)[1].split("\n## ", 1)[0]
+PY_BLOCKS = re.findall(r"```python\n(.*?)```", SECTION, re.S)
+BASH_BLOCKS = re.findall(r"```bash\n(.*?)```", SECTION, re.S)
 
 
-class ShopEnv(ToolEnv):
-    """What would it cost to buy every unit in stock? The answer needs two lookups per item."""
-
-    def __init__(self, **kwargs):
-        tasks = [{"question": f"What would it cost, in euros, to buy every {item} in stock?",
-                  "answer": round(PRICES[item] * STOCK[item], 2), "type": "shop"} for item in PRICES]
-        super().__init__(tasks, [lookup], max_turns=6, **kwargs)
-
-
-gym.register("agentenv/Shop-v0", entry_point=ShopEnv)
-
-env = gym.make("agentenv/Shop-v0")
-obs, info = env.reset(seed=0, options={"task_index": 0})  # info["tools"] goes to apply_chat_template(tools=...)
-obs, reward, terminated, truncated, info = env.step(
-    '<tool_call>{"name": "lookup", "arguments": {"item": "apple"}}</tool_call>\n'
-    '<tool_call>{"name": "lookup", "arguments": {"item": "apple", "field": "stock"}}</tool_call>')
-print(obs)  # "[1] lookup:\n0.5\n\n[2] lookup:\n120" -- one "tool" message, results in call order
-obs, reward, terminated, truncated, info = env.step("120 apples at 0.5 each: \\boxed{60}")
-assert (reward, terminated, info["success"], info["tool_call_before_answer"]) == (1.0, True, True, True)
-# --- README example ends ---
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("user")
+    module = next(b for b in PY_BLOCKS if b.startswith("# shop_env.py"))
+    (d / "shop_env.py").write_text(module)
+    return d
 
 
-def test_readme_example_ran():
-    assert "agentenv/Shop-v0" in gym.registry
-    assert reward == 1.0 and info["success"]
-
-
-def test_readme_example_passes_check_env():
+def test_readme_usage_block_runs(user_dir, monkeypatch):
+    monkeypatch.syspath_prepend(str(user_dir))
+    usage = next(b for b in PY_BLOCKS if "gym.make(\"shop_env:Shop-v0\")" in b)
+    scope: dict = {}
+    exec(compile(usage, "README usage block", "exec"), scope)  # noqa: S102 -- the README's own example
+    assert scope["reward"] == 1.0 and scope["info"]["success"]
     from gymnasium.utils.env_checker import check_env
 
-    check_env(gym.make("agentenv/Shop-v0").unwrapped)
+    check_env(gym.make("Shop-v0").unwrapped)
 
 
-def test_readme_example_is_the_readme_file():
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    source = Path(__file__).read_text()
-    block = source.split("# --- README example starts ---\n", 1)[1].split("# --- README example ends ---", 1)[0]
-    assert block.strip() in readme, "README.md's tool-env example and this test have drifted apart"
+def test_readme_training_command_trains_the_new_env(user_dir):
+    [cmd] = [line for b in BASH_BLOCKS for line in b.splitlines() if line.startswith("agentenv run --env shop_env")]
+    argv = shlex.split(cmd)
+    assert argv[:4] == ["agentenv", "run", "--env", "shop_env:Shop-v0"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    # the console script, from a directory holding only the user's module
+    exe = Path(sys.executable).with_name("agentenv")
+    argv[0] = str(exe) if exe.exists() else "agentenv"
+    r = subprocess.run(argv + ["--run-dir", "run", "--no-progress"], cwd=user_dir, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (user_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    updates = [x for x in rows if "update" in x and "event" not in x]
+    assert [x["update"] for x in updates] == [1, 2]
+    assert all("tool_share" in x and 0.0 <= x["tool_share"] <= 1.0 for x in updates)
+    plan = json.loads((user_dir / "run" / "plan.json").read_text())
+    summary = json.loads((user_dir / "run" / "summary.json").read_text())
+    assert plan["env"] == "Shop-v0" and summary["components"] == plan["components"]  # the plan is what ran
+    assert (user_dir / "run" / "final_model" / "config.json").exists()
