@@ -139,6 +139,12 @@ class MetricsLogger:
             except ImportError:
                 log.info("wandb not installed; skipping W&B logging")
 
+    def reopen(self) -> None:
+        """Reopen ``metrics.jsonl`` after someone replaced the file (a resumed run reconciles it first)."""
+        if self._f is not None:
+            self._f.close()
+            self._f = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 -- run-long
+
     # --- per update ---------------------------------------------------------------------------------------------
     def log_update(self, record: dict) -> dict:
         m = dict(record)

@@ -296,6 +296,8 @@ class Trainer:
                                       trajectories=False)
         if self.metrics is None:
             self.metrics, self._owns_metrics = MetricsLogger(self.run_dir, tensorboard=False, echo=None), True
+        elif self._rows_resumed is not None:
+            self.metrics.reopen()  # it opened metrics.jsonl before the file was reconciled
         if self.save_trajectories:
             self._writer = JsonlWriter(self.run_dir / "trajectories.jsonl", append=True)
 

@@ -86,6 +86,9 @@ def roll_back_rows(path: Path, keep: int, *, trajectories: bool) -> int:
     for i, line in enumerate(lines):
         if i >= keep and line.strip():
             rec = json.loads(line)
+            if "event" in rec:  # not an update's row (e.g. the shutdown summary written after the last checkpoint)
+                out.append(line)
+                continue
             if trajectories:
                 rec.setdefault("meta", {})["rolled_back"] = True
             else:
