@@ -28,5 +28,7 @@ def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | N
                          progress=progress)
     m = batch_metrics(trajs)
     m.pop("tokens", None)
-    m.update(episodes=len(trajs), wall_s=time.perf_counter() - t0)
+    # which weights played: the versions every sampled token carries (one, when the policy was up to date)
+    m.update(episodes=len(trajs), wall_s=time.perf_counter() - t0,
+             policy_versions=sorted({v for t in trajs for v in t.versions}))
     return m

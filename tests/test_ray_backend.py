@@ -63,3 +63,21 @@ def test_ray_backend_trains_survives_actor_kill_and_cleans_up():
     # them), so it is not the loop's to stop.
     assert [t.name for t in threading.enumerate()
             if t.name.startswith("agentenv") and not t.name.startswith("agentenv-sandbox-spawner")] == []
+
+
+def test_periodic_eval_uses_the_learners_current_weights_with_ray_rollouts(tmp_path):
+    """With rollout workers in Ray actors the driver has no sampler of its own: evaluation must still play the
+    learner's CURRENT weights (the tokens of the eval trajectories carry the version that sampled them)."""
+    from agentenv.config import load_config
+    from agentenv.train import run
+
+    cfg = load_config("text_env", [], [
+        "env.id=guess", "model.name=tiny", "model.dtype=float32", "loop.backend=ray", "loop.num_workers=1",
+        "loop.batch_size=2", "loop.total_updates=2", "eval.every=1", "eval.episodes=2", "eval.at_end=false",
+        "rollout.max_new_tokens=8", "launch.ray_num_cpus=2", "launch.worker_num_cpus=0.5", "run.plot=false",
+        f"run.dir={tmp_path / 'run'}", "algo.lr=1e-3"])
+    res = run(cfg, progress=False, echo=lambda *a: None)
+    assert [e["update"] for e in res.evals] == [1, 2]
+    assert [e["policy_versions"] for e in res.evals] == [[1], [2]]
+    assert res.summary["components"]["rollout_backend"] == "ray" and res.summary["components"]["sampler"] == "hf"
+    assert not ray.is_initialized()
