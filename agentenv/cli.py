@@ -217,10 +217,14 @@ def cmd_run(args) -> int:
     if args.dry_run:
         return dry_run(cfg)
     try:
-        run(cfg, eval_only=args.eval_only, resume=bool(args.resume), progress=not args.no_progress)
+        res = run(cfg, eval_only=args.eval_only, resume=bool(args.resume), progress=not args.no_progress)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if res.summary.get("stopped_by_user"):
+        print(f"interrupted: checkpoint and model saved in {res.run_dir}; continue with "
+              f"agentenv run --resume {res.run_dir}", file=sys.stderr)
+        return 130
     return 0
 
 

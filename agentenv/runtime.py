@@ -231,12 +231,20 @@ class Batcher:
             self.batches += 1
             self.requests += len(items)
 
+    def fail_pending(self, reason: str) -> None:
+        """Fail every request still waiting for a batch (the one being generated finishes)."""
+        while True:
+            try:
+                _, fut = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.done():
+                fut.set_exception(RuntimeError(reason))
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        while not self._q.empty():
-            _, fut = self._q.get_nowait()
-            fut.set_exception(RuntimeError("batcher closed"))
+        self.fail_pending("batcher closed")
 
 
 class RolloutEngine:
@@ -257,6 +265,11 @@ class RolloutEngine:
         out: queue.Queue = queue.Queue()
         stop = threading.Event()
 
+        def generate(req: GenerationRequest) -> Generation:
+            if stop.is_set():  # the consumer went away (Ctrl-C, an error): end this episode at its next turn
+                raise RuntimeError("rollout stopped")
+            return self.batcher(req)
+
         def worker() -> None:
             env = None
             try:
@@ -266,7 +279,7 @@ class RolloutEngine:
                         task = next(task_iter, None)
                     if task is None:
                         break
-                    out.put(run_episode(env, self.policy, self.cfg, task, self.batcher))
+                    out.put(run_episode(env, self.policy, self.cfg, task, generate if self.batcher else None))
             except Exception as e:  # noqa: BLE001 -- a worker that cannot even build its env reports once
                 log.error("rollout worker failed: %s", e)
                 out.put(e)
@@ -294,6 +307,13 @@ class RolloutEngine:
                     yield item
         finally:
             stop.set()
+            if self.batcher is not None:
+                self.batcher.fail_pending("rollout stopped")
+            # Join the episode threads before returning (also on Ctrl-C): a thread left inside a torch kernel while
+            # the interpreter exits aborts the process ("terminate called without an active exception").
+            deadline = time.monotonic() + 30
+            for t in threads:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         if self.batcher is not None:

@@ -163,7 +163,7 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
         finally:
             if bar is not None:
                 bar.close()
-        if cfg.eval.at_end:
+        if cfg.eval.at_end and not trainer.interrupted:  # Ctrl-C means "stop now": save, do not evaluate
             do_eval(current_weights_policy(), trainer.step)
         final = learner.save_pretrained(run_dir / "final_model", tokenizer_from=model_path)
         echo(f"model: {final}")
@@ -175,7 +175,7 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
     components = {**trainer.components, "learner": learner.components()}
     (run_dir / "summary.json").write_text(json.dumps({"summary": summary, "components": components, "evals": evals,
                                                       "final_model": str(final)}, indent=2, default=str))
-    if cfg.run.plot and logger.history:
+    if cfg.run.plot and logger.history and not trainer.interrupted:
         from agentenv.plot import plot_runs
 
         png = plot_runs([run_dir], title=f"{cfg.preset} {' '.join(cfg.variants)} ({cfg.model.name})")

@@ -89,6 +89,7 @@ class Trainer:
         self.history: list[dict] = []
         self.issued: list[int] = []  # prompt index of every episode this process started, in order
         self.components: dict = {}
+        self.interrupted = False  # stopped by SIGINT (Ctrl-C) before total_updates
         self._stop = threading.Event()
         self._backend = None
         self._writer: JsonlWriter | None = None
@@ -313,6 +314,7 @@ class Trainer:
             if self._stop.is_set():
                 raise KeyboardInterrupt
             log.warning("SIGINT: finishing the current update, then checkpoint and shut down (Ctrl-C again to abort)")
+            self.interrupted = True
             self._stop.set()
 
         return signal.signal(signal.SIGINT, handler)
@@ -335,7 +337,8 @@ class Trainer:
         info = self._backend.close() if self._backend is not None else {}
         elapsed = max(1e-9, (self._t_end or t_close) - self._t0) if self._t0 else 0.0
         c = self.counters
-        summary = {"updates": self.step, "policy_version": self.learner.policy_version, **c.flat(),
+        summary = {"updates": self.step, "policy_version": self.learner.policy_version, "stopped_by_user": self.interrupted,
+                   **c.flat(),
                    "accounting_balance": c.balance(), "elapsed_s": elapsed,
                    "shutdown_s": time.perf_counter() - t_close,
                    "learner_busy": self._t_learner / elapsed if elapsed else 0.0,
