@@ -337,7 +337,8 @@ class Trainer:
         info = self._backend.close() if self._backend is not None else {}
         elapsed = max(1e-9, (self._t_end or t_close) - self._t0) if self._t0 else 0.0
         c = self.counters
-        summary = {"updates": self.step, "policy_version": self.learner.policy_version, "stopped_by_user": self.interrupted,
+        summary = {"updates": self.step, "policy_version": self.learner.policy_version,
+                   "stopped_by_user": self.interrupted,
                    **c.flat(),
                    "accounting_balance": c.balance(), "elapsed_s": elapsed,
                    "shutdown_s": time.perf_counter() - t_close,
