@@ -239,7 +239,7 @@ def _add_demo(sub) -> None:
 
 def cmd_demo(args) -> int:
     from agentenv.config import ConfigError
-    from agentenv.demo import run_demo
+    from agentenv.report import run_demo
     from agentenv.train import LaunchError
 
     try:

@@ -11,18 +11,8 @@ from __future__ import annotations
 import gymnasium as gym
 
 from agentenv.envs.base import TextEnv, UnicodeText
-
-ENV_ALIASES: dict[str, str] = {
-    "guess": "agentenv/GuessNumber-v0",
-    "python": "agentenv/PythonTool-v0",
-    "python_tool": "agentenv/PythonTool-v0",
-    "alfworld": "agentenv/ALFWorld-v0",
-}
-
-# Scripted (non-LLM) experts usable as `--model expert`: env id -> "module:factory" returning a TextPolicy.
-EXPERTS: dict[str, str] = {
-    "agentenv/ALFWorld-v0": "agentenv.envs.alfworld_expert:ALFWorldExpert",
-}
+from agentenv.envs.spec import ENV_ALIASES, EXPERTS
+from agentenv.envs.spec import resolve as resolve_env_id
 
 
 def _register(env_id: str, entry_point: str, **kwargs) -> None:
@@ -33,13 +23,6 @@ def _register(env_id: str, entry_point: str, **kwargs) -> None:
 _register("agentenv/GuessNumber-v0", "agentenv.envs.guess:GuessNumberEnv")
 _register("agentenv/PythonTool-v0", "agentenv.envs.python_tool:PythonToolEnv")
 _register("agentenv/ALFWorld-v0", "agentenv.envs.alfworld:ALFWorldEnv")
-
-
-def resolve_env_id(name: str) -> str:
-    """Alias, registered id or ``module:EnvId`` -> registered id (see :func:`agentenv.envs.spec.resolve`)."""
-    from agentenv.envs.spec import resolve
-
-    return resolve(name)
 
 
 __all__ = ["TextEnv", "UnicodeText", "ENV_ALIASES", "EXPERTS", "resolve_env_id"]

@@ -30,6 +30,20 @@ from dataclasses import dataclass
 import gymnasium as gym
 
 
+ENV_ALIASES: dict[str, str] = {
+    "guess": "agentenv/GuessNumber-v0",
+    "python": "agentenv/PythonTool-v0",
+    "python_tool": "agentenv/PythonTool-v0",
+    "alfworld": "agentenv/ALFWorld-v0",
+}
+
+# Scripted (non-LLM) experts usable as `--model expert`: env id -> "module:factory" returning a TextPolicy.
+EXPERTS: dict[str, str] = {
+    "agentenv/ALFWorld-v0": "agentenv.envs.alfworld_expert:ALFWorldExpert",
+}
+
+
+
 @dataclass(frozen=True)
 class Check:
     what: str
@@ -39,8 +53,6 @@ class Check:
 
 def resolve(name: str) -> str:
     """Alias, registered id, or ``module:EnvId`` -> a registered gymnasium id (importing ``module`` first)."""
-    from agentenv.envs import ENV_ALIASES
-
     env_id = ENV_ALIASES.get(name.lower(), name)
     if ":" in env_id:
         module, env_id = env_id.split(":", 1)

@@ -13,13 +13,12 @@ import queue
 import threading
 
 from agentenv.sandboxes.base import Session
+from agentenv.sandboxes.factory import make_sandbox
 from agentenv.sandboxes.limits import Limits
 
 
 class SandboxPool:
     def __init__(self, backend: str = "bubblewrap", size: int = 4, limits: Limits | None = None, **backend_kwargs):
-        from agentenv.sandboxes import make_sandbox
-
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"pool size must be a positive int, got {size!r}")
         self.sandbox = make_sandbox(backend, limits=limits, **backend_kwargs)

@@ -3,7 +3,7 @@
 import json
 
 from agentenv.config import load_config
-from agentenv.demo import run_demo
+from agentenv.report import run_demo
 
 
 def test_demo_two_updates(tmp_path):

@@ -30,7 +30,7 @@ from typing import Protocol
 from agentenv.config import LaunchConfig, LoopConfig
 from agentenv.runtime import Batcher, RolloutConfig, Task
 
-from .workers import RolloutWorker, drain, publish_to_policy
+from .workers import RolloutWorker, drain, publish_to_policy, sampler_kind
 
 log = logging.getLogger("agentenv.trainer.backends")
 
@@ -78,10 +78,6 @@ class HFPolicyFactory:
         from agentenv.models import load_hf_policy
 
         return load_hf_policy(self.model, seed=self.seed + worker_index, device=self.device, dtype=self.dtype)
-
-
-def sampler_kind(policy) -> str:
-    return getattr(policy, "backend", None) or ("hf" if hasattr(policy, "generate") else "text")
 
 
 class LocalBackend:

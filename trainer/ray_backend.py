@@ -32,7 +32,7 @@ from agentenv.runtime import Batcher, RolloutConfig, Task
 
 from agentenv.config import LaunchConfig, LoopConfig
 
-from .workers import RolloutWorker
+from .workers import RolloutWorker, sampler_kind
 
 log = logging.getLogger("agentenv.trainer.ray")
 
@@ -83,8 +83,6 @@ class RayRolloutWorker:
         getattr(self.policy, "wake_up", lambda: None)()
 
     def sampler_kind(self) -> str:
-        from .backends import sampler_kind
-
         return sampler_kind(self.policy)
 
     def crash(self) -> None:

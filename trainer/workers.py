@@ -49,6 +49,11 @@ def publish_to_policy(policy, state_dict: dict, version: int) -> None:
     fn(state_dict, version)
 
 
+def sampler_kind(policy) -> str:
+    """What samples: the policy's ``backend`` ("hf", "vllm"), else "hf" for a token policy, "text" for a text one."""
+    return getattr(policy, "backend", None) or ("hf" if hasattr(policy, "generate") else "text")
+
+
 @dataclass
 class _Episode:
     eid: int

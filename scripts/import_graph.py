@@ -1,0 +1,95 @@
+"""Print the import graph of agentenv's packages (module-level AND function-level imports) and its cycles.
+
+``python scripts/import_graph.py [trainer]`` prints ``module -> imports`` for every module (or only those under the
+given top-level folder) and exits 1 if any cycle exists. tests/test_import_graph.py runs the same check.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"agentenv": "agentenv", "trainer": "agentenv.trainer", "envs": "agentenv.envs",
+            "sandboxes": "agentenv.sandboxes", "configs": "agentenv.configs"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for folder, pkg in PACKAGES.items():
+        for p in sorted((ROOT / folder).glob("*.py")):
+            out[pkg if p.stem == "__init__" else f"{pkg}.{p.stem}"] = p
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    pkg = name if path.stem == "__init__" else name.rsplit(".", 1)[0]
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            # `from pkg import submodule` depends on the submodule; `from pkg import name` on pkg itself
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name and not (t == "agentenv" and name.startswith("agentenv.")):
+                deps.add(t)  # (`import agentenv` from inside it only registers the envs: its root loads first anyway)
+    return deps
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {m: imports(m, p, set(mods)) for m, p in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in g:
+        if v not in index:
+            visit(v)
+    return out
+
+
+if __name__ == "__main__":
+    g = graph()
+    only = PACKAGES.get(sys.argv[1]) if len(sys.argv) > 1 else None
+    for m in sorted(g):
+        if only is None or m.startswith(only + ".") or m == only:
+            short = sorted(d.replace(only + ".", "") if only else d for d in g[m] if only is None or d.startswith(only))
+            print(f"{m.replace((only or '') + '.', '') if only else m:28s} -> {', '.join(short) or '-'}")
+    found = cycles(g)
+    for c in found:
+        print("CYCLE:", " <-> ".join(c))
+    sys.exit(1 if found else 0)
