@@ -126,7 +126,7 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
         def current_weights_policy():
             """A sampler holding the learner's current weights (the local backend's own, or a driver-side one)."""
             nonlocal eval_policy
-            local = trainer.local_policy()
+            local = trainer.local_policy()  # None before the loop starts, and with Ray (samplers live in actors)
             if local is not None:
                 return local
             if eval_policy is None:
@@ -155,9 +155,7 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
                           metrics=logger, on_update=on_update, save_trajectories=cfg.run.save_trajectories,
                           sleep_samplers_during_update=plan["sleep_samplers_during_update"])
         if cfg.eval.at_start and not resume:
-            pol = make_policy(0)
-            do_eval(pol, trainer.step)
-            _close(pol)
+            do_eval(current_weights_policy(), trainer.step)  # the starting weights (kept for later evaluations)
         try:
             summary = trainer.run()
         finally:
