@@ -260,9 +260,12 @@ def test_correct_tool_using_episode_is_rewarded():
     assert info["role"] == "user" and info["tools"] == [power.schema()] and "boxed" in info["system"]
     obs, r, term, trunc, info = env.step('<tool_call>{"name": "power", "arguments": {"base": 3, "exponent": 200, "modulus": 1000}}</tool_call>')
     assert (obs, r, term, trunc) == (str(pow(3, 200, 1000)), 0.0, False, False)
-    assert info == {"role": "tool", "tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0, "invalid_action": False}
+    assert info == {"role": "tool", "tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0, "tool_malformed": 0,
+                    "invalid_action": False, "tool_calls_by_name": {"power": 1}, "tool_errors_by_name": {}}
     obs, r, term, trunc, info = env.step(f"\\boxed{{{pow(3, 200, 1000)}}}")
     assert (r, term, trunc, info["success"], info["tool_call_before_answer"]) == (1.0, True, False, True, True)
+    assert info["episode_totals"] == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0,
+                                      "tool_malformed": 0, "tool_calls_by_name": {"power": 1}, "tool_errors_by_name": {}}
     with pytest.raises(RuntimeError, match="reset"):
         env.step("again")
 
@@ -273,7 +276,11 @@ def test_errors_are_observed_and_counted_in_one_tool_message():
     obs, r, term, trunc, info = env.step(
         '<tool_call>{"name": "power", "arguments": {"base": 2, "exponent": 10}}</tool_call>'
         '<tool_call>{oops}</tool_call><tool_call>{"name": "nope", "arguments": {}}</tool_call>')
-    assert info["tool_calls"] == 3 and info["tool_errors"] == 2 and info["invalid_action"] is True
+    # well-formed calls (power, nope) count as calls; the broken block is its own counter (behaviour changed on purpose:
+    # issue 12 -- malformed blocks used to count as calls and inflate tool_share)
+    assert (info["tool_calls"], info["tool_errors"], info["tool_malformed"], info["invalid_action"]) == (2, 1, 1, True)
+    assert info["tool_calls_by_name"] == {"power": 1, "(unknown)": 1}
+    assert info["tool_errors_by_name"] == {"(unknown)": 1}
     assert obs.index("[1] power:\n1024") < obs.index("[2] invalid:\nError: the tool call is not valid JSON") < obs.index("[3] nope:\nError: unknown tool")
     assert not term and not trunc
 
@@ -330,3 +337,21 @@ def test_step_never_raises_on_any_text(action):
     env.reset(seed=0)
     obs, r, term, trunc, info = env.step(action)
     assert isinstance(obs, str) and isinstance(r, float)
+
+
+def test_episode_totals_on_the_last_step_and_non_string_actions():
+    env = _env(max_turns=3)
+    env.reset(seed=0, options={"task_index": 1})
+    env.step('<tool_call>{"name": "power", "arguments": {"base": 2, "exponent": 10}}</tool_call><tool_call>[1]</tool_call>')
+    env.step('<tool_call>{"name": "power", "arguments": {"base": "2", "exponent": 10}}</tool_call>')
+    _, _, term, trunc, info = env.step('<tool_call>{"name": "power", "arguments": {"base": 2, "exponent": 3}}</tool_call>')
+    assert (term, trunc, info["finish_reason"]) == (False, True, "max_turns")
+    assert info["episode_totals"] == {"turns": 3, "tool_calls": 3, "tool_errors": 1, "tool_timeouts": 0,
+                                      "tool_malformed": 1, "tool_calls_by_name": {"power": 3},
+                                      "tool_errors_by_name": {"power": 1}}
+    env.reset(seed=0)
+    for bad in (None, b"bytes", ["list"]):
+        with pytest.raises(TypeError, match=r"ToolEnv.step\(action\) expects the assistant's message as a str, got"):
+            env.step(bad)
+    _, _, term, _, _ = env.step("\\boxed{0}")  # the episode is still usable after the rejected calls
+    assert term
