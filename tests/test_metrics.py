@@ -25,6 +25,21 @@ def test_batch_metrics_values():
     assert m["success_a"] == 2 / 3 and m["success_b"] == 0.0
 
 
+def test_tool_metrics_count_well_formed_calls_and_per_tool():
+    # The review's run: 22 "calls" of which 14 were broken JSON. Malformed blocks are their own metric now.
+    a = traj(calls=3, errors=1)
+    a.num_tool_malformed, a.tool_calls_by_name, a.tool_errors_by_name = 10, {"python": 2, "search": 1}, {"python": 1}
+    b = traj(calls=0)
+    b.num_tool_malformed = 4  # only broken blocks: not a tool-using trajectory
+    c = traj(calls=5)
+    c.tool_calls_by_name = {"python": 5}
+    m = batch_metrics([a, b, c])
+    assert m["tool_calls_mean"] == 8 / 3 and m["tool_share"] == 2 / 3 and m["tool_malformed_mean"] == 14 / 3
+    assert m["tool_error_rate"] == 1 / 8
+    assert (m["tool_calls/python"], m["tool_calls/search"], m["tool_errors/python"]) == (7 / 3, 1 / 3, 1 / 3)
+    assert "tool_errors/search" not in m and m["template_error_rate"] == 0.0
+
+
 def test_normalise_folds_prefixes():
     m = normalise({"update": 3, "reward_mean": 0.5, "learner_reward_mean": 0.4, "learner_grad_norm": 1.0,
                    "learner_batch_tool_share": 0.25, "learner_seq_kl_mean": 1e-4})
