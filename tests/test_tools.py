@@ -355,3 +355,38 @@ def test_episode_totals_on_the_last_step_and_non_string_actions():
             env.step(bad)
     _, _, term, _, _ = env.step("\\boxed{0}")  # the episode is still usable after the rejected calls
     assert term
+
+
+def test_schema_is_transformers_get_json_schema_normalised():
+    # The function -> schema mapping is get_json_schema's (what chat templates use for tools=[fn]); the only
+    # differences are deliberate: Optional as a "null" type (not OpenAPI "nullable"), defaults kept, no "return".
+    from transformers.utils import get_json_schema
+
+    lib = get_json_schema(power.fn)["function"]
+    ours = power.schema()["function"]
+    assert lib["parameters"]["properties"]["modulus"] == {"type": "integer", "nullable": True,
+                                                          "description": "Reduce modulo this, if given."}
+    assert ours["parameters"]["properties"]["modulus"] == {"type": ["integer", "null"], "default": None,
+                                                           "description": "Reduce modulo this, if given."}
+    for name in ("base", "exponent"):
+        expected = dict(lib["parameters"]["properties"][name])
+        if name == "exponent":
+            expected["default"] = 2
+        assert ours["parameters"]["properties"][name] == expected
+    assert ours["parameters"]["required"] == lib["parameters"]["required"] and "return" not in ours
+
+
+def test_arguments_are_validated_by_jsonschema_with_clear_messages():
+    from typing import Union
+
+    def g(a: Optional[list[int]] = None, b: Union[list[int], dict[str, int], None] = None, d: int = 0) -> str:
+        """G."""
+        return repr((a, b, d))
+
+    t = Tool.from_function(g)
+    ok = execute(ToolCall("g", {"a": None, "b": {"k": 1}, "d": 3.0}), {"g": t})
+    assert not ok.error and ok.content == "(None, {'k': 1}, 3)"  # an integral float is an integer in JSON Schema
+    bad = execute(ToolCall("g", {"a": [1, "x"], "d": 3.5}), {"g": t})
+    assert bad.error and "argument 'a': item 1: expected integer, got string" in bad.content
+    assert "argument 'd': expected integer, got number" in bad.content
+    assert "Signature: g(a: array | null (optional), b: array | object | null (optional)" in bad.content
