@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import pytest
 from gymnasium.utils.env_checker import check_env
@@ -377,8 +377,6 @@ def test_schema_is_transformers_get_json_schema_normalised():
 
 
 def test_arguments_are_validated_by_jsonschema_with_clear_messages():
-    from typing import Union
-
     def g(a: Optional[list[int]] = None, b: Union[list[int], dict[str, int], None] = None, d: int = 0) -> str:
         """G."""
         return repr((a, b, d))
