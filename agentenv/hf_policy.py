@@ -8,7 +8,11 @@ recorded. Requests in one ``generate`` call are batched (left padding, explicit 
 different sampling settings are run as separate groups.
 
 Weights are published with :meth:`HFPolicy.load_weights` which bumps ``policy_version`` under a lock, so a
-generation never mixes two weight versions.
+generation never mixes two weight versions. The load is strict: every key the model has (a tied weight may be
+given once) with the model's shape, and no other key; anything else is a ``ValueError`` naming the mismatched keys,
+raised BEFORE any tensor is copied, and the version is not bumped.
+
+``backend = "hf"`` is recorded in every trajectory's ``sampling["backend"]``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from agentenv.processing import processed_logprobs
 
 
 class HFPolicy:
+    backend = "hf"
+
     def __init__(self, model, tokenizer, *, name: str = "", model_path: str | None = None, seed: int = 0,
                  device: str | torch.device | None = None, policy_version: int = 0, max_batch_size: int = 64):
         self.model = model.eval()
@@ -45,8 +51,26 @@ class HFPolicy:
     # --- weights --------------------------------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> None:
         with self._lock:
-            self.model.load_state_dict(state_dict, strict=False)
+            self._check_state_dict(state_dict)
+            self.model.load_state_dict(state_dict, strict=False)  # keys checked above; tied copies may be absent
             self.policy_version = self.policy_version + 1 if version is None else version
+
+    def _check_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        given = set(state_dict)
+        present_ptrs = {own[k].data_ptr() for k in given if k in own}
+        missing = sorted(k for k in own if k not in given and own[k].data_ptr() not in present_ptrs)
+        unexpected = sorted(given - set(own))
+        shapes = sorted(f"{k}: got {tuple(state_dict[k].shape)}, model has {tuple(own[k].shape)}"
+                        for k in given & set(own) if tuple(state_dict[k].shape) != tuple(own[k].shape))
+        problems = [f"{len(v)} {what} (e.g. {', '.join(v[:3])})" for v, what in
+                    ((missing, "missing keys"), (unexpected, "unexpected keys"), (shapes, "shape mismatches")) if v]
+        if problems:
+            raise ValueError(
+                f"load_weights: the state dict does not match the sampler's model ({'; '.join(problems)}); nothing "
+                f"was loaded and policy_version stays {self.policy_version}. Publish the learner's full state dict "
+                "with the model's own parameter names."
+            )
 
     # --- sampling -------------------------------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:

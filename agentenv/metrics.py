@@ -31,7 +31,9 @@ log = logging.getLogger("agentenv.metrics")
 METRIC_HELP: dict[str, str] = {
     "reward_mean": "mean reward of the trajectories in the update's batch",
     "success_rate": "share of the batch that solved its task (success_<type>: the same per task type)",
-    "tool_calls_mean": "tool calls per trajectory (every <tool_call> block counts, failed ones too)",
+    "tool_calls_mean": "well-formed tool calls per trajectory (failed calls count; malformed blocks do not)",
+    "tool_malformed_mean": "<tool_call> blocks per trajectory that could not be parsed as a call",
+    "tool_calls/<name>": "calls of tool <name> per trajectory (tool_errors/<name>: its failed calls)",
     "tool_share": "share of trajectories with at least one tool call -- the tool-call rate the collapse alarm watches",
     "tool_error_rate": "failed tool calls / tool calls (malformed call, unknown tool, crash, timeout, limit hit)",
     "tool_timeout_rate": "timed-out tool calls / tool calls",
@@ -59,12 +61,13 @@ METRIC_HELP: dict[str, str] = {
 
 def batch_metrics(trajs: Sequence[Trajectory]) -> dict:
     n = max(1, len(trajs))
-    calls = sum(t.num_tool_calls for t in trajs)
+    calls = sum(t.num_tool_calls for t in trajs)  # well-formed calls (trajectory schema 2)
     m = {
         "reward_mean": sum(t.reward for t in trajs) / n,
         "success_rate": sum(bool(t.success) for t in trajs) / n,
         "tool_calls_mean": calls / n,
         "tool_share": sum(t.num_tool_calls > 0 for t in trajs) / n,
+        "tool_malformed_mean": sum(t.num_tool_malformed for t in trajs) / n,
         "tool_error_rate": sum(t.num_tool_errors for t in trajs) / calls if calls else 0.0,
         "tool_timeout_rate": sum(t.num_tool_timeouts for t in trajs) / calls if calls else 0.0,
         "answer_after_tool": sum(bool(t.tool_call_before_answer) for t in trajs) / n,
@@ -74,7 +77,15 @@ def batch_metrics(trajs: Sequence[Trajectory]) -> dict:
         "tokens": sum(len(t.token_ids) for t in trajs),
         "truncation_rate": sum(bool(t.truncated) for t in trajs) / n,
         "invalid_actions_mean": sum(t.num_invalid_actions for t in trajs) / n,
+        "template_error_rate": sum(t.finish_reason == "template_error" for t in trajs) / n,
     }
+    for field, prefix in (("tool_calls_by_name", "tool_calls"), ("tool_errors_by_name", "tool_errors")):
+        per_tool: dict[str, int] = {}
+        for t in trajs:
+            for name, k in getattr(t, field).items():
+                per_tool[name] = per_tool.get(name, 0) + k
+        for name, k in sorted(per_tool.items()):
+            m[f"{prefix}/{name}"] = k / n
     by_type: dict[str, list[bool]] = {}
     for t in trajs:
         if t.task_type:

@@ -3,11 +3,18 @@
 * :func:`run_episode` plays one episode. The token sequence is a :class:`agentenv.chat.ChatSequence`; each turn asks
   the policy for a continuation through ``generate_fn`` (so many episodes can share a batched sampler), appends the
   sampled tokens verbatim, steps the env with their text, and appends only the observation's template delta.
-* Limits end an episode with a finish reason and keep everything collected so far: ``max_turns``;
-  ``max_new_tokens`` (a turn that did not emit its end-of-turn token); ``context_limit`` (the prompt plus the next
-  turn cannot fit in ``max_total_tokens``: the turn budget is shrunk to what fits and an observation that would
-  overflow is recorded in ``messages`` but not appended as tokens); ``env_error`` / ``policy_error`` when a call
-  raises (the exception text is stored in ``error``).
+* Limits end an episode with a finish reason and keep everything collected so far; every limit is a truncation
+  (``truncated=True``, never success): ``max_turns``; ``max_new_tokens`` (a turn that did not emit its end-of-turn
+  token); ``context_limit`` (the prompt plus the next turn cannot fit in ``max_total_tokens``: the turn budget is
+  shrunk to what fits and an observation that would overflow is recorded in ``messages`` but not appended as
+  tokens); ``generation_budget`` (the sampled tokens summed over turns reached ``max_generated_tokens``: each turn's
+  ``max_new_tokens`` is clipped to what is left). ``env_error`` / ``policy_error`` / ``template_error`` when a call
+  raises (the exception text is stored in ``error``; a chat template that fails or rewrites history mid-episode is a
+  ``template_error`` with every token collected so far kept).
+* Tool counters add up the env's per-step ``info`` (see :mod:`agentenv.envs.base`): well-formed calls, their errors
+  and timeouts, malformed blocks, and per-tool call / error counts.
+* ``traj.sampling["backend"]`` records the sampler: the policy's ``backend`` attribute (``"hf"``, ``"vllm"``),
+  ``"text"`` for non-LLM policies, ``"unknown"`` for a token-level policy that does not say.
 * :class:`RolloutEngine` keeps up to ``concurrency`` episodes in flight on threads. Episodes queue generation
   requests on a :class:`Batcher`, which runs one batched ``policy.generate`` over whatever requests are waiting and
   hands each episode its result as soon as the batch returns; each episode then steps its own env at once. There is
@@ -40,11 +47,20 @@ log = logging.getLogger("agentenv.runtime")
 @dataclass
 class RolloutConfig:
     max_turns: int = 10
-    max_total_tokens: int = 4096
+    max_total_tokens: int = 4096  # prompt + every turn: the context limit
     sampling: SamplingParams = field(default_factory=SamplingParams)  # max_new_tokens is the per-turn limit
     concurrency: int = 8
     return_entropy: bool = False
     on_template_rewrite: str = "error"  # or "segment", see agentenv.chat
+    max_generated_tokens: int | None = None  # sampled tokens summed over turns; None = no cap beyond the context
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_total_tokens < 1:
+            raise ValueError(f"max_turns and max_total_tokens must be >= 1, got {self.max_turns}, {self.max_total_tokens}")
+        if self.max_generated_tokens is not None and self.max_generated_tokens < 1:
+            raise ValueError(f"max_generated_tokens must be >= 1 or None, got {self.max_generated_tokens}")
+        if self.on_template_rewrite not in ("error", "segment"):
+            raise ValueError(f"on_template_rewrite must be 'error' or 'segment', got {self.on_template_rewrite!r}")
 
 
 @dataclass
@@ -68,9 +84,10 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
                 generate_fn: GenerateFn | None = None) -> Trajectory:
     """Play one episode. Never raises for env/policy failures: they end the episode with a recorded reason."""
     t_start = time.perf_counter()
-    traj = Trajectory(env=_env_name(env), model=getattr(policy, "name", ""), model_path=getattr(policy, "model_path", None),
-                      sampling=cfg.sampling.to_dict(), id=uuid.uuid4().hex, meta=dict(task.meta))
     text_policy = not hasattr(policy, "generate")
+    backend = getattr(policy, "backend", None) or ("text" if text_policy else "unknown")
+    traj = Trajectory(env=_env_name(env), model=getattr(policy, "name", ""), model_path=getattr(policy, "model_path", None),
+                      sampling={**cfg.sampling.to_dict(), "backend": backend}, id=uuid.uuid4().hex, meta=dict(task.meta))
     try:
         t0 = time.perf_counter()
         obs, info = env.reset(seed=task.seed, options=task.options)
@@ -85,7 +102,11 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
     seq = None
     if not text_policy:
         seq = ChatSequence(policy.tokenizer, on_rewrite=cfg.on_template_rewrite)
-        seq.start(messages, traj.tools)
+        try:
+            seq.start(messages, traj.tools)
+        except Exception as e:  # noqa: BLE001 -- e.g. the template rejects the env's first messages
+            traj.messages = [dict(m) for m in messages]
+            return _fail(traj, "template_error", e, t_start)
         traj.segments = seq.segments
     generate_fn = generate_fn or (lambda req: policy.generate([req])[0])
 
@@ -98,6 +119,7 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
         traj.messages = seq.messages
 
     finish = None
+    generated = 0  # sampled tokens so far, for max_generated_tokens
     while finish is None:
         if traj.num_turns >= cfg.max_turns:
             traj.truncated, finish = True, "max_turns"
@@ -109,16 +131,17 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
                 action = policy.act([dict(m) for m in messages], info)
                 messages.append({"role": "assistant", "content": action})
             else:
-                room = cfg.max_total_tokens - len(seq)
-                if room < 1:
-                    traj.truncated, finish = True, "context_limit"
+                limits = _turn_limits(cfg, len(seq), generated)
+                if min(limits.values()) < 1:
+                    traj.truncated, finish = True, _binding(limits)
                     break
-                budget = min(cfg.sampling.max_new_tokens, room)
+                budget = min(limits.values())
                 sp = cfg.sampling if budget == cfg.sampling.max_new_tokens else _with_budget(cfg.sampling, budget)
                 gen = generate_fn(GenerationRequest(list(seq.token_ids), sp, cfg.return_entropy))
                 if len(gen.token_ids) > budget:
                     raise RuntimeError(f"sampler returned {len(gen.token_ids)} tokens, over the budget of {budget}")
                 action = seq.add_sampled(gen)
+                generated += len(gen.token_ids)
                 if cfg.return_entropy and gen.entropies is not None:
                     traj.meta.setdefault("entropies", []).extend(gen.entropies)
         except Exception as e:  # noqa: BLE001
@@ -128,8 +151,7 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
         traj.time_generation_s += time.perf_counter() - t0
         traj.num_turns += 1
         if seq is not None and gen.stop_reason == "length":
-            traj.truncated = True
-            finish = "context_limit" if budget < cfg.sampling.max_new_tokens else "max_new_tokens"
+            traj.truncated, finish = True, _binding(limits)
             break
         # --- the env's turn -------------------------------------------------------------------------------------
         t0 = time.perf_counter()
@@ -141,10 +163,7 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
             return _fail(traj, "env_error", e, t_start)
         traj.time_env_s += time.perf_counter() - t0
         traj.reward += float(reward)
-        traj.num_tool_calls += int(info.get("tool_calls", 0))
-        traj.num_tool_errors += int(info.get("tool_errors", 0))
-        traj.num_tool_timeouts += int(info.get("tool_timeouts", 0))
-        traj.num_invalid_actions += int(bool(info.get("invalid_action", False)))
+        _count_tools(traj, info)
         if terminated or truncated:
             traj.terminated, traj.truncated = bool(terminated), bool(truncated) and not terminated
             traj.success = bool(info.get("success", False))
@@ -158,8 +177,13 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
         if seq is None:
             messages.append({"role": role, "content": obs})
             continue
-        delta = seq.delta_for(role, obs)
-        if len(seq) + len(delta[0]) >= cfg.max_total_tokens:
+        try:
+            delta = seq.delta_for(role, obs)
+        except Exception as e:  # noqa: BLE001 -- TemplateNotAppendOnly or the template raising: keep the tokens
+            seq.messages.append({"role": role, "content": obs})
+            sync()
+            return _fail(traj, "template_error", e, t_start)
+        if len(seq) + len(delta.ids) >= cfg.max_total_tokens:
             seq.messages.append({"role": role, "content": obs})  # kept for reading; its tokens would not fit
             traj.truncated, finish = True, "context_limit"
             break
@@ -170,6 +194,34 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
     if seq is not None:
         traj.validate()
     return traj
+
+
+def _turn_limits(cfg: RolloutConfig, length: int, generated: int) -> dict[str, int]:
+    """How many tokens the next turn may sample under each limit, keyed by the finish reason it would give.
+    Insertion order breaks ties: the per-turn limit first, then the generation budget, then the context."""
+    limits = {"max_new_tokens": cfg.sampling.max_new_tokens}
+    if cfg.max_generated_tokens is not None:
+        limits["generation_budget"] = cfg.max_generated_tokens - generated
+    limits["context_limit"] = cfg.max_total_tokens - length
+    return limits
+
+
+def _binding(limits: dict[str, int]) -> str:
+    """The finish reason of the tightest limit (the first one on ties)."""
+    low = min(limits.values())
+    return next(k for k, v in limits.items() if v == low)
+
+
+def _count_tools(traj: Trajectory, info: dict) -> None:
+    """Add one env step's tool counters (see agentenv.envs.base) to the trajectory's episode totals."""
+    traj.num_tool_calls += int(info.get("tool_calls", 0))
+    traj.num_tool_errors += int(info.get("tool_errors", 0))
+    traj.num_tool_timeouts += int(info.get("tool_timeouts", 0))
+    traj.num_tool_malformed += int(info.get("tool_malformed", 0))
+    traj.num_invalid_actions += int(bool(info.get("invalid_action", False)))
+    for src, dst in (("tool_calls_by_name", traj.tool_calls_by_name), ("tool_errors_by_name", traj.tool_errors_by_name)):
+        for name, n in (info.get(src) or {}).items():
+            dst[str(name)] = dst.get(str(name), 0) + int(n)
 
 
 def _with_budget(sp: SamplingParams, budget: int) -> SamplingParams:
@@ -359,7 +411,8 @@ def summarize(trajs: list[Trajectory], wall_time_s: float | None = None) -> dict
         "tokens": sum(len(t.token_ids) for t in trajs),
         "policy_tokens": sum(t.num_policy_tokens for t in trajs),
         "truncation_rate": sum(t.truncated for t in trajs) / n,
-        "errors": sum(t.finish_reason in ("env_error", "policy_error") for t in trajs),
+        "errors": sum(t.finish_reason in ("env_error", "policy_error", "template_error") for t in trajs),
+        "template_errors": sum(t.finish_reason == "template_error" for t in trajs),
     }
     if wall_time_s is not None:
         s["wall_time_s"] = wall_time_s

@@ -11,15 +11,26 @@ Contract (one object per trajectory):
   temperature, top-p, top-k); 0.0 wherever ``action_mask`` is False.
 * ``policy_version[t]``: version of the weights that sampled token t; -1 wherever ``action_mask`` is False.
 * ``reward``, ``success``, ``terminated``, ``truncated``, ``finish_reason`` (one of :data:`FINISH_REASONS`),
-  ``num_turns``, ``num_tool_calls``, ``num_tool_errors``, ``num_tool_timeouts``, ``num_invalid_actions``,
+  ``num_turns``, ``num_tool_calls`` (well-formed ``<tool_call>`` blocks: a JSON object naming a tool, whether or not
+  the call then failed), ``num_tool_errors`` (well-formed calls that failed: unknown tool, bad arguments, the tool
+  raising, timeout), ``num_tool_timeouts``, ``num_tool_malformed`` (blocks that could not be parsed as a call; not in
+  ``num_tool_calls``), ``tool_calls_by_name`` / ``tool_errors_by_name`` (``{tool name: count}``),
+  ``num_invalid_actions``,
   ``messages`` (the human-readable chat), ``tools`` (schemas shown to the model), ``sampling`` (temperature, top_p,
-  top_k, max_new_tokens), ``model`` and ``model_path``, ``env``, ``task``, ``task_type``, ``segments`` (start offsets of
+  top_k, max_new_tokens, and ``backend``: the sampler that drew the tokens -- ``"hf"``, ``"vllm"`` or ``"text"`` for
+  non-LLM policies), ``model`` and ``model_path``, ``env``, ``task``, ``task_type``, ``segments`` (start offsets of
   token segments; more than one only where a chat template was not append-only and a new segment was started).
 
 All four per-token lists have the same length. Text-policy trajectories (scripted experts) have empty token lists.
 
 The JSONL file format is versioned by a ``schema_version`` field in every line. :func:`read_jsonl` reads the current
-version and every older one it knows how to upgrade; anything else is a clear error.
+version and every older one it knows how to upgrade; anything else is a clear error. History:
+
+* 1: first released format.
+* 2: ``num_tool_malformed``, ``tool_calls_by_name``, ``tool_errors_by_name``; ``num_tool_calls`` / ``num_tool_errors``
+  count well-formed calls only; finish reasons ``template_error`` and ``generation_budget``. A version-1 record is
+  read with the new fields empty; its ``num_tool_calls`` still includes malformed blocks (they cannot be told apart
+  after the fact), which ``meta["upgraded_from"] == 1`` makes visible.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Iterable, Iterator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 FINISH_REASONS = (
     "done",  # the env ended the episode (task solved or failed)
@@ -42,6 +53,8 @@ FINISH_REASONS = (
     "env_error",  # env.reset/step raised; what was collected is kept
     "policy_error",  # the sampler raised; what was collected is kept
     "env_truncated",  # the env truncated the episode for its own reason (e.g. its own step limit)
+    "template_error",  # the chat template failed or rewrote history (on_rewrite="error"); what was collected is kept
+    "generation_budget",  # the sampled tokens summed over turns reached max_generated_tokens
 )
 
 
@@ -69,6 +82,9 @@ class Trajectory:
     num_tool_calls: int = 0
     num_tool_errors: int = 0
     num_tool_timeouts: int = 0
+    num_tool_malformed: int = 0
+    tool_calls_by_name: dict = field(default_factory=dict)
+    tool_errors_by_name: dict = field(default_factory=dict)
     num_invalid_actions: int = 0
     tool_call_before_answer: bool = False
     error: str | None = None
@@ -135,6 +151,9 @@ def _upgrade(d: dict) -> dict:
         )
     if version < 1:
         raise ValueError(f"trajectory schema_version {version} predates the first released format (1)")
+    if version == 1:  # 1 -> 2: new tool counters start empty (see the module docstring)
+        d["meta"] = {**(d.get("meta") or {}), "upgraded_from": 1}
+        d["schema_version"] = 2
     return d
 
 

@@ -12,12 +12,18 @@ An agentenv environment is a plain :class:`gymnasium.Env` whose observations and
 * ``step(action) -> (observation, reward, terminated, truncated, info)``. ``action`` is the assistant's whole message
   text. ``observation`` is the next message for the policy and ``info["role"]`` says whether it is a ``"user"`` or a
   ``"tool"`` message. Per-step counters in ``info`` (missing means 0 / False):
-    - ``"tool_calls"``, ``"tool_errors"``, ``"tool_timeouts"``: tool calls executed in this step and how they failed,
+    - ``"tool_calls"``, ``"tool_errors"``, ``"tool_timeouts"``: well-formed tool calls executed in this step and how
+      many of them failed / timed out; ``"tool_malformed"``: blocks that could not be parsed as a call (not in
+      ``tool_calls``); ``"tool_calls_by_name"`` / ``"tool_errors_by_name"``: ``{tool name: count}``,
     - ``"invalid_action"``: the action could not be parsed or was not admissible (costs a turn),
     - ``"success"``: on the final step, whether the task was solved (never true merely because turns ran out),
     - ``"finish_reason"``: optional env-specific reason when the env itself ends the episode
       (e.g. ``"invalid_action_budget"``).
+    - ``"episode_totals"``: optional, on the step that ends the episode: the episode's sums of the counters above
+      (and ``"turns"``), so a caller that only sees the last step still gets them.
   Rewards are floats; ``terminated`` means the task ended (solved or failed), ``truncated`` that a limit cut it.
+  An action that is not a ``str`` is a caller bug: :meth:`TextEnv.check_action` raises a ``TypeError`` naming the
+  expected type.
 
 Observation and action spaces are :class:`UnicodeText`, which accepts any ``str`` up to a length, so that
 ``gymnasium.utils.env_checker.check_env`` passes on real text.
@@ -63,6 +69,15 @@ class TextEnv(gym.Env):
             raise ValueError(f"render_mode must be one of {self.metadata['render_modes']}, got {render_mode!r}")
         self.render_mode = render_mode
         self._last_text = ""
+
+    def check_action(self, action: Any) -> str:
+        """Return ``action`` if it is a ``str``; otherwise raise a ``TypeError`` that says what ``step`` expects."""
+        if not isinstance(action, str):
+            raise TypeError(
+                f"{type(self).__name__}.step(action) expects the assistant's message as a str, got "
+                f"{type(action).__name__} ({action!r:.60})"
+            )
+        return action
 
     def render(self) -> str | None:
         if self.render_mode == "ansi":

@@ -12,15 +12,22 @@ Contract (on top of :mod:`agentenv.envs.base`):
 * ``step(action)``: one assistant message = one turn.
     - If it contains a ``<tool_call>`` (Hermes format), every call in it is run in order and the observation is ONE
       ``"tool"`` message with the results concatenated in order (each prefixed ``[i] name:`` when there are
-      several). Every ``<tool_call>`` block counts in ``info["tool_calls"]``; each failing one (malformed JSON,
-      unknown tool, bad arguments, the tool raising, bad return value, timeout) in ``info["tool_errors"]``, of which
-      timeouts also in ``info["tool_timeouts"]`` -- so successful calls are ``tool_calls - tool_errors``.
-      ``info["invalid_action"]`` is True when a block could not be parsed as a call at all. Errors are shown to the
-      policy as the tool result; nothing the policy writes makes ``step`` raise.
+      several). Every well-formed block (a JSON object naming a tool) counts in ``info["tool_calls"]``; each of
+      those that fails (unknown tool, bad arguments, the tool raising, bad return value, timeout) in
+      ``info["tool_errors"]``, of which timeouts also in ``info["tool_timeouts"]`` -- so successful calls are
+      ``tool_calls - tool_errors``. A block that cannot be parsed as a call at all counts in
+      ``info["tool_malformed"]`` (not in ``tool_calls``) and sets ``info["invalid_action"]``.
+      ``info["tool_calls_by_name"]`` / ``info["tool_errors_by_name"]`` count well-formed calls and their errors per
+      tool (calls to tools the env does not have under :data:`UNKNOWN_TOOL`, so a model inventing names cannot
+      grow the metric set). Errors are shown to the policy as the tool result; nothing the policy writes makes
+      ``step`` raise; a non-string action is a ``TypeError`` (a bug in the caller, not a policy mistake).
     - Otherwise the message is the final answer: it is graded, the episode terminates, ``reward`` is the grader's
       score, ``info["success"]`` is ``score >= 1`` and ``info["tool_call_before_answer"]`` says whether any tool
       call (successful or not) came earlier in the episode; ``info["expected_answer"]`` is the reference answer
       (given only once the episode is over).
+    - The step that ends the episode (answer or turn limit) also has ``info["episode_totals"]``: the episode's
+      ``turns``, ``tool_calls``, ``tool_errors``, ``tool_timeouts``, ``tool_malformed``, ``tool_calls_by_name`` and
+      ``tool_errors_by_name``.
     - After ``max_turns`` turns without a final answer the episode is truncated (reward 0, ``success`` False,
       ``finish_reason`` ``"max_turns"``): running out of turns is never success.
 * The grader is ``grader(response, task) -> float | bool``; the default is
@@ -33,6 +40,7 @@ Contract (on top of :mod:`agentenv.envs.base`):
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from agentenv.envs.base import TextEnv
@@ -41,6 +49,8 @@ from agentenv.envs.tasks import Task, as_tasks, load_tasks
 from agentenv.envs.tools import Tool, ToolResult, execute, has_tool_call, parse_tool_calls
 
 Grader = Callable[[str, Task], "float | bool"]
+
+UNKNOWN_TOOL = "(unknown)"  # per-tool counters' key for calls naming a tool the env does not have
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the user's task. You may call the provided tools; each result comes back to you. "
@@ -92,6 +102,7 @@ class ToolEnv(TextEnv):
         self._turns = 0
         self._called_tool = False
         self._done = True
+        self._totals = _empty_totals()
 
     # --- episode hooks ----------------------------------------------------------------------------------------------
     def end_episode(self) -> None:
@@ -127,6 +138,7 @@ class ToolEnv(TextEnv):
         self.end_episode()
         self.task = self._pick(options)
         self._turns, self._called_tool, self._done = 0, False, False
+        self._totals = _empty_totals()
         obs = self.format_question(self.task)
         self._last_text = obs
         info = {"role": "user", "tools": self.tool_schemas(), "task": self.task.id, "task_type": self.task.type}
@@ -138,6 +150,7 @@ class ToolEnv(TextEnv):
         return [execute(call, self.tools) for call in parse_tool_calls(action)]
 
     def step(self, action: str):
+        self.check_action(action)
         if self._done or self.task is None:
             raise RuntimeError("the episode is over (or never started): call reset() before step()")
         self._turns += 1
@@ -146,16 +159,12 @@ class ToolEnv(TextEnv):
             self._called_tool = True
             texts = [clip(r.content, self.max_tool_output_chars) for r in results]
             obs = texts[0] if len(texts) == 1 else "\n\n".join(f"[{i}] {r.name or 'invalid'}:\n{t}" for i, (r, t) in enumerate(zip(results, texts), 1))
-            info: dict[str, Any] = {
-                "role": "tool",
-                "tool_calls": len(results),
-                "tool_errors": sum(r.error for r in results),
-                "tool_timeouts": sum(r.timeout for r in results),
-                "invalid_action": any(r.malformed for r in results),
-            }
+            info: dict[str, Any] = {"role": "tool", **self._tool_counts(results)}
+            self._add_totals(info)
             truncated = self._turns >= self.max_turns
             if truncated:
-                info.update(success=False, finish_reason="max_turns", tool_call_before_answer=False)
+                info.update(success=False, finish_reason="max_turns", tool_call_before_answer=False,
+                            episode_totals=self._episode_totals())
                 self._finish()
             self._last_text = obs
             return obs, 0.0, False, truncated, info
@@ -163,12 +172,42 @@ class ToolEnv(TextEnv):
         reward = float(score)
         success = bool(reward >= 1.0)
         info = {"role": "user", "success": success, "tool_call_before_answer": self._called_tool,
-                "expected_answer": self.task.answer}
+                "expected_answer": self.task.answer, "episode_totals": self._episode_totals()}
         obs = f"Final answer received ({'correct' if success else 'incorrect'}; reward {reward:g})."
         self._finish()
         self._last_text = obs
         return obs, reward, True, False, info
 
+    # --- tool counters ----------------------------------------------------------------------------------------------
+    def _tool_counts(self, results: list[ToolResult]) -> dict[str, Any]:
+        calls = [r for r in results if not r.malformed]
+        names = [r.name if r.name in self.tools else UNKNOWN_TOOL for r in calls]
+        return {
+            "tool_calls": len(calls),
+            "tool_errors": sum(r.error for r in calls),
+            "tool_timeouts": sum(r.timeout for r in calls),
+            "tool_malformed": len(results) - len(calls),
+            "invalid_action": len(calls) < len(results),
+            "tool_calls_by_name": dict(Counter(names)),
+            "tool_errors_by_name": dict(Counter(n for n, r in zip(names, calls) if r.error)),
+        }
+
+    def _add_totals(self, info: dict[str, Any]) -> None:
+        for k in ("tool_calls", "tool_errors", "tool_timeouts", "tool_malformed"):
+            self._totals[k] += info[k]
+        for k in ("tool_calls_by_name", "tool_errors_by_name"):
+            self._totals[k].update(info[k])
+
+    def _episode_totals(self) -> dict[str, Any]:
+        t = self._totals
+        return {"turns": self._turns, **{k: t[k] for k in ("tool_calls", "tool_errors", "tool_timeouts", "tool_malformed")},
+                "tool_calls_by_name": dict(t["tool_calls_by_name"]), "tool_errors_by_name": dict(t["tool_errors_by_name"])}
+
     def _finish(self) -> None:
         self._done = True
         self.end_episode()
+
+
+def _empty_totals() -> dict[str, Any]:
+    return {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "tool_malformed": 0,
+            "tool_calls_by_name": Counter(), "tool_errors_by_name": Counter()}

@@ -8,6 +8,14 @@ Contract:
 
       {"type": "function", "function": {"name": ..., "description": ..., "parameters": {JSON schema}}}
 
+  The type hints -> JSON schema mapping is :func:`transformers.utils.get_json_schema`, the function chat templates
+  themselves use for ``tools=[fn]``, with two deliberate normalisations: ``Optional[T]`` becomes ``"type": [T,
+  "null"]`` (standard JSON Schema) instead of the OpenAPI keyword ``"nullable": true``, which JSON Schema validators
+  ignore (a ``None`` the hint allows would be rejected); and JSON-serialisable defaults are added (``get_json_schema``
+  drops them; the model benefits from seeing them). Its ``"return"`` entry is dropped (chat templates do not show
+  it consistently and callers see the result anyway). Docstrings are parsed here (``Args:`` / ``Arguments:`` /
+  ``Parameters:``, ``name (type): description``, continuation lines -- forms transformers' parser drops silently) and
+  handed to ``get_json_schema`` in its canonical form; a parameter without a description is allowed.
   The description is the docstring's text before its sections; parameter descriptions come from a Google-style
   ``Args:`` section. Supported hints: ``str``, ``int``, ``float``, ``bool``, ``list[T]``, ``dict`` /
   ``dict[str, T]``, ``Literal[...]`` (-> ``enum``), ``Optional[T]`` / ``T | None`` (-> ``"null"`` allowed) and
@@ -25,8 +33,10 @@ Contract:
   lists, dicts) is sent as its JSON text; anything else (bytes, arbitrary objects) is a tool error naming the type,
   because silently ``str()``-ing it would show the model a repr it cannot use. A tool that needs to report its own
   status (e.g. a sandbox that timed out) returns a :class:`ToolOutput`; raising ``TimeoutError`` also counts as a
-  timeout. Arguments are checked strictly against the schema (``"3"`` is not an ``int``; an ``int`` is accepted for
-  a ``float``) so the policy learns the schema instead of having its mistakes silently repaired.
+  timeout. Arguments are checked strictly against the schema with ``jsonschema`` (``"3"`` is not an ``int``; an
+  ``int`` is accepted for a ``float``, and an integral float such as ``3.0`` for an ``int``, as JSON Schema defines
+  it) so the policy learns the schema instead of having its mistakes silently repaired; the validator's findings are
+  rewritten into short messages that name the argument and end with the tool's signature.
 
 In-process tools are trusted code and run with no time limit; untrusted code belongs in a sandbox
 (see :mod:`agentenv.envs.python_tool`).
@@ -34,6 +44,7 @@ In-process tools are trusted code and run with no time limit; untrusted code bel
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
@@ -42,6 +53,9 @@ import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Union, get_args, get_origin
+
+import jsonschema
+from transformers.utils import get_json_schema
 
 __all__ = [
     "Tool", "ToolCall", "ToolOutput", "ToolResult", "ToolDefinitionError",
@@ -87,37 +101,56 @@ _PRIMITIVES: dict[type, str] = {str: "string", int: "integer", float: "number", 
 _UNION_TYPES = (Union, types.UnionType)
 
 
-def _type_schema(hint: Any, where: str) -> dict:
-    """JSON schema for one type hint; ``where`` names the parameter for error messages."""
-    if hint in _PRIMITIVES:
-        return {"type": _PRIMITIVES[hint]}
-    if hint is type(None):
-        return {"type": "null"}
+def _check_hint(hint: Any, where: str) -> None:
+    """Refuse, with a clear message, a type hint outside the supported subset (``where`` names the parameter);
+    the schema itself comes from ``get_json_schema``."""
+    if hint in _PRIMITIVES or hint is type(None) or hint in (list, typing.List, dict, typing.Dict):
+        return
     origin, args = get_origin(hint), get_args(hint)
-    if hint in (list, typing.List):
-        return {"type": "array"}
-    if hint in (dict, typing.Dict):
-        return {"type": "object"}
     if origin is list:
-        return {"type": "array", "items": _type_schema(args[0], where)}
+        return _check_hint(args[0], where)
     if origin is dict:
         if args and args[0] is not str:
             raise ToolDefinitionError(f"{where}: dict keys must be str (JSON object keys), got {args[0]!r}")
-        return {"type": "object", "additionalProperties": _type_schema(args[1], where)} if args else {"type": "object"}
+        return _check_hint(args[1], where) if args else None
     if origin is Literal:
         kinds = {type(a) for a in args}
         if len(kinds) != 1 or not kinds <= set(_PRIMITIVES):
             raise ToolDefinitionError(f"{where}: Literal values must all be str, or all int/float/bool, got {args!r}")
-        return {"type": _PRIMITIVES[kinds.pop()], "enum": list(args)}
+        return None
     if origin in _UNION_TYPES:
-        subs = [_type_schema(a, where) for a in args]
-        if all(set(s) == {"type"} for s in subs):  # plain types: the compact form models are trained on
-            return {"type": [s["type"] for s in subs]}
-        return {"anyOf": subs}
+        for a in args:
+            _check_hint(a, where)
+        return None
     raise ToolDefinitionError(
         f"{where}: unsupported type {hint!r}; use str, int, float, bool, list[...], dict[str, ...], Literal[...] "
         "or Optional[...] of those"
     )
+
+
+def _library_schema(fn: Callable, fname: str, arg_docs: dict[str, str]) -> dict:
+    """The parameters schema ``get_json_schema`` gives for ``fn``, normalised (see the module docstring)."""
+    names = list(inspect.signature(fn).parameters)
+    placeholder = "\u2063undocumented\u2063"
+    shim = functools.wraps(fn)(lambda **kwargs: None)  # same signature and hints, a canonical docstring
+    shim.__doc__ = "Tool.\n\nArgs:\n" + "".join(f"    {n}: {arg_docs.get(n) or placeholder}\n" for n in names)
+    try:
+        params = get_json_schema(shim)["function"]["parameters"]
+    except Exception as e:  # noqa: BLE001 -- the library's own exception types vary by version
+        raise ToolDefinitionError(f"tool {fname!r}: transformers.utils.get_json_schema refused it ({e})") from e
+    for prop in params.get("properties", {}).values():
+        if prop.get("description") == placeholder:
+            del prop["description"]
+        if prop.pop("nullable", False):
+            t = prop.get("type")
+            if isinstance(t, str):
+                prop["type"] = [t, "null"]
+            elif isinstance(t, list) and "null" not in t:
+                prop["type"] = t + ["null"]
+            elif "anyOf" in prop and {"type": "null"} not in prop["anyOf"]:
+                prop["anyOf"] = prop["anyOf"] + [{"type": "null"}]
+    params.setdefault("required", [])
+    return params
 
 
 _SECTION = re.compile(r"^\s*(Args|Arguments|Parameters|Returns|Return|Yields|Raises|Examples?|Notes?)\s*:\s*$")
@@ -158,35 +191,30 @@ def _json_default(value: Any) -> tuple[bool, Any]:
 
 # --- argument checking ----------------------------------------------------------------------------------------------
 
-def _check(value: Any, schema: dict) -> str | None:
-    """None if ``value`` matches ``schema`` (the subset :func:`_type_schema` produces), else why not."""
-    if "anyOf" in schema:
-        return None if any(_check(value, s) is None for s in schema["anyOf"]) else f"does not match any of {schema['anyOf']}"
-    t = schema.get("type")
-    if isinstance(t, list):
-        return None if any(_check(value, {"type": x}) is None for x in t) else f"expected one of {t}, got {_jtype(value)}"
-    ok = {
-        "string": isinstance(value, str),
-        "integer": isinstance(value, int) and not isinstance(value, bool),
-        "number": isinstance(value, (int, float)) and not isinstance(value, bool),
-        "boolean": isinstance(value, bool),
-        "null": value is None,
-        "array": isinstance(value, list),
-        "object": isinstance(value, dict),
-    }.get(t, True)
-    if not ok:
-        return f"expected {t}, got {_jtype(value)}"
-    if "enum" in schema and value not in schema["enum"]:
-        return f"must be one of {schema['enum']}, got {value!r}"
-    if t == "array" and "items" in schema:
-        for i, v in enumerate(value):
-            if (why := _check(v, schema["items"])) is not None:
-                return f"item {i}: {why}"
-    if t == "object" and "additionalProperties" in schema:
-        for k, v in value.items():
-            if (why := _check(v, schema["additionalProperties"])) is not None:
-                return f"key {k!r}: {why}"
-    return None
+def _validation_errors(arguments: dict, parameters: dict) -> list[str]:
+    """``jsonschema``'s findings for an arguments object, as short messages that name the argument."""
+    schema = dict(parameters, additionalProperties=False)
+    validator = jsonschema.Draft202012Validator(schema)
+    problems = []
+    for e in sorted(validator.iter_errors(arguments), key=lambda e: (len(e.path), [str(p) for p in e.path])):
+        if e.validator == "required" and not e.path:
+            problems += [f"missing required argument {k!r}" for k in e.validator_value if k not in e.instance]
+        elif e.validator == "additionalProperties" and not e.path:
+            problems += [f"unexpected argument {k!r}" for k in e.instance if k not in parameters["properties"]]
+        else:
+            arg, *rest = list(e.path)
+            where = "".join(f" item {p}:" if isinstance(p, int) else f" key {p!r}:" for p in rest)
+            problems.append(f"argument {arg!r}:{where} {_why(e)}")
+    return problems
+
+
+def _why(e: jsonschema.ValidationError) -> str:
+    if e.validator == "type":
+        t = e.validator_value
+        return f"expected {' or '.join(t) if isinstance(t, list) else t}, got {_jtype(e.instance)}"
+    if e.validator == "enum":
+        return f"must be one of {e.validator_value}, got {e.instance!r}"
+    return e.message
 
 
 def _jtype(value: Any) -> str:
@@ -225,8 +253,7 @@ class Tool:
             hints = typing.get_type_hints(fn)
         except Exception as e:  # unresolvable forward reference etc.
             raise ToolDefinitionError(f"tool {fname!r}: cannot resolve type hints ({e})") from e
-        props: dict[str, dict] = {}
-        required: list[str] = []
+        defaults: dict[str, Any] = {}
         for p in inspect.signature(fn).parameters.values():
             where = f"tool {fname!r}, parameter {p.name!r}"
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -235,20 +262,17 @@ class Tool:
                 raise ToolDefinitionError(f"{where}: positional-only parameters cannot be passed by name from JSON")
             if p.name not in hints:
                 raise ToolDefinitionError(f"{where}: missing type annotation (the schema is built from type hints)")
-            s = _type_schema(hints[p.name], where)
-            if p.name in arg_docs and arg_docs[p.name]:
-                s["description"] = arg_docs[p.name]
-            if p.default is p.empty:
-                required.append(p.name)
-            else:
+            _check_hint(hints[p.name], where)
+            if p.default is not p.empty:
                 ok, default = _json_default(p.default)
                 if ok:
-                    s["default"] = default
-            props[p.name] = s
-        unknown_doc = set(arg_docs) - set(props)
+                    defaults[p.name] = default
+        unknown_doc = set(arg_docs) - set(inspect.signature(fn).parameters)
         if unknown_doc:
             raise ToolDefinitionError(f"tool {fname!r}: docstring Args lists {sorted(unknown_doc)}, which are not parameters")
-        params = {"type": "object", "properties": props, "required": required}
+        params = _library_schema(fn, fname, arg_docs)
+        for k, v in defaults.items():
+            params["properties"][k]["default"] = v
         return cls(name=fname, description=desc, parameters=params, fn=fn)
 
     def schema(self) -> dict:
@@ -260,11 +284,7 @@ class Tool:
         if not isinstance(arguments, dict):
             return f"arguments must be a JSON object, got {_jtype(arguments)}"
         props, required = self.parameters["properties"], self.parameters["required"]
-        problems = [f"missing required argument {k!r}" for k in required if k not in arguments]
-        problems += [f"unexpected argument {k!r}" for k in arguments if k not in props]
-        for k, v in arguments.items():
-            if k in props and (why := _check(v, props[k])) is not None:
-                problems.append(f"argument {k!r}: {why}")
+        problems = _validation_errors(arguments, self.parameters)
         if problems:
             sig = ", ".join(f"{k}: {_fmt_type(s)}" + ("" if k in required else " (optional)") for k, s in props.items())
             return "; ".join(problems) + f". Signature: {self.name}({sig})"
@@ -351,6 +371,16 @@ def _to_text(value: Any, name: str) -> ToolResult:
         )
 
 
+def _as_declared(value: Any, schema: dict) -> Any:
+    """JSON has one number type: give a ``float`` parameter a float and an ``int`` one an int (3 -> 3.0, 3.0 -> 3)."""
+    t = schema.get("type")
+    if t == "number" and type(value) is int:
+        return float(value)
+    if t == "integer" and type(value) is float:
+        return int(value)  # jsonschema accepted it, so it is integral
+    return value
+
+
 def execute(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:
     """Run one call. Never raises (except KeyboardInterrupt / SystemExit): every failure is an error result."""
     if call.error is not None:
@@ -362,7 +392,7 @@ def execute(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:
     if problem is not None:
         return ToolResult(call.name, f"Error calling {call.name!r}: {problem}", error=True)
     # Hints say float; JSON may carry an int. Give the function the type it declared.
-    args = {k: float(v) if t.parameters["properties"][k].get("type") == "number" and type(v) is int else v for k, v in call.arguments.items()}
+    args = {k: _as_declared(v, t.parameters["properties"][k]) for k, v in call.arguments.items()}
     try:
         value = t.fn(**args)
     except TimeoutError as e:

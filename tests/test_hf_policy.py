@@ -92,3 +92,25 @@ def test_bad_sampling_settings_are_clear_errors():
                     ({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": float("nan")}, "temperature")):
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**kw)
+
+
+def test_load_weights_is_strict_and_keeps_the_version_on_mismatch(tiny_policy):
+    p = _clone(tiny_policy)
+    v0 = p.policy_version
+    good = {k: v.clone() for k, v in p.model.state_dict().items()}
+    first = next(iter(good))
+    snapshot = good[first].clone()
+    renamed = {("model." + k if not k.startswith("model.") else k[len("model."):]): v + 1.0 for k, v in good.items()}
+    dropped = next(k for k in good if "norm" in k)
+    partial = {k: v + 1.0 for k, v in good.items() if k != dropped}
+    wrong_shape = dict(good, **{first: torch.zeros(3)})
+    for bad, msg in ((renamed, "missing keys"), (renamed, "unexpected keys"), (partial, f"1 missing keys .*{dropped}"),
+                     (wrong_shape, "shape mismatches")):
+        with pytest.raises(ValueError, match=msg):
+            p.load_weights(bad)
+        assert p.policy_version == v0 and torch.equal(p.model.state_dict()[first], snapshot)  # nothing copied
+    # the tiny model ties lm_head to the embeddings: the tied copy may be left out
+    assert p.model.get_output_embeddings().weight.data_ptr() == p.model.get_input_embeddings().weight.data_ptr()
+    p.load_weights({k: v for k, v in good.items() if "lm_head" not in k}, version=v0 + 7)
+    assert p.policy_version == v0 + 7
+    assert p.backend == "hf"

@@ -38,7 +38,22 @@ def test_update_record_is_built_once_with_plain_names_and_one_lag():
     assert rec["loss"] == -0.5 and rec["grad_norm"] == 0.2 and rec["acceptance_rate"] == 0.5
     assert "admitted" not in rec and rec["num_admitted"] == 1
     assert rec["started"] == 2 and rec["time_learner_s"] == 1.5
-    assert not any(k.startswith("learner_batch_") or k.startswith("batch_") for k in rec)
+    assert not any(k.startswith(("learner_batch_", "batch_")) for k in rec if k != "batch_size")
+
+
+def test_tool_metrics_count_well_formed_calls_and_per_tool():
+    # The review's run: 22 "calls" of which 14 were broken JSON. Malformed blocks are their own metric now.
+    a = traj(calls=3, errors=1)
+    a.num_tool_malformed, a.tool_calls_by_name, a.tool_errors_by_name = 10, {"python": 2, "search": 1}, {"python": 1}
+    b = traj(calls=0)
+    b.num_tool_malformed = 4  # only broken blocks: not a tool-using trajectory
+    c = traj(calls=5)
+    c.tool_calls_by_name = {"python": 5}
+    m = batch_metrics([a, b, c])
+    assert m["tool_calls_mean"] == 8 / 3 and m["tool_share"] == 2 / 3 and m["tool_malformed_mean"] == 14 / 3
+    assert m["tool_error_rate"] == 1 / 8
+    assert (m["tool_calls/python"], m["tool_calls/search"], m["tool_errors/python"]) == (7 / 3, 1 / 3, 1 / 3)
+    assert "tool_errors/search" not in m and m["template_error_rate"] == 0.0
 
 
 def test_logger_jsonl_tensorboard_line_and_collapse_alarm(tmp_path, caplog):

@@ -91,7 +91,8 @@ def test_malformed_tool_calls_are_observed_and_counted(env):
         '<tool_call>{"name": "python", "arguments": {"source": "print(1)"}}</tool_call>'  # wrong argument name
         '<tool_call>{"name": "bash", "arguments": {"cmd": "ls"}}</tool_call>'  # unknown tool
         + call("print(2)"))
-    assert (info["tool_calls"], info["tool_errors"], info["invalid_action"]) == (4, 3, True)
+    # the broken-JSON block is malformed, not a call (issue 12); the other three are calls, two of them failing
+    assert (info["tool_calls"], info["tool_errors"], info["tool_malformed"], info["invalid_action"]) == (3, 2, 1, True)
     assert "not valid JSON" in obs and "missing required argument 'code'" in obs and "unexpected argument 'source'" in obs
     assert "unknown tool 'bash'" in obs and obs.endswith("[4] python:\n2") and not term
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import pytest
 from gymnasium.utils.env_checker import check_env
@@ -260,9 +260,12 @@ def test_correct_tool_using_episode_is_rewarded():
     assert info["role"] == "user" and info["tools"] == [power.schema()] and "boxed" in info["system"]
     obs, r, term, trunc, info = env.step('<tool_call>{"name": "power", "arguments": {"base": 3, "exponent": 200, "modulus": 1000}}</tool_call>')
     assert (obs, r, term, trunc) == (str(pow(3, 200, 1000)), 0.0, False, False)
-    assert info == {"role": "tool", "tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0, "invalid_action": False}
+    assert info == {"role": "tool", "tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0, "tool_malformed": 0,
+                    "invalid_action": False, "tool_calls_by_name": {"power": 1}, "tool_errors_by_name": {}}
     obs, r, term, trunc, info = env.step(f"\\boxed{{{pow(3, 200, 1000)}}}")
     assert (r, term, trunc, info["success"], info["tool_call_before_answer"]) == (1.0, True, False, True, True)
+    assert info["episode_totals"] == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0,
+                                      "tool_malformed": 0, "tool_calls_by_name": {"power": 1}, "tool_errors_by_name": {}}
     with pytest.raises(RuntimeError, match="reset"):
         env.step("again")
 
@@ -273,7 +276,11 @@ def test_errors_are_observed_and_counted_in_one_tool_message():
     obs, r, term, trunc, info = env.step(
         '<tool_call>{"name": "power", "arguments": {"base": 2, "exponent": 10}}</tool_call>'
         '<tool_call>{oops}</tool_call><tool_call>{"name": "nope", "arguments": {}}</tool_call>')
-    assert info["tool_calls"] == 3 and info["tool_errors"] == 2 and info["invalid_action"] is True
+    # well-formed calls (power, nope) count as calls; the broken block is its own counter (behaviour changed on purpose:
+    # issue 12 -- malformed blocks used to count as calls and inflate tool_share)
+    assert (info["tool_calls"], info["tool_errors"], info["tool_malformed"], info["invalid_action"]) == (2, 1, 1, True)
+    assert info["tool_calls_by_name"] == {"power": 1, "(unknown)": 1}
+    assert info["tool_errors_by_name"] == {"(unknown)": 1}
     assert obs.index("[1] power:\n1024") < obs.index("[2] invalid:\nError: the tool call is not valid JSON") < obs.index("[3] nope:\nError: unknown tool")
     assert not term and not trunc
 
@@ -330,3 +337,54 @@ def test_step_never_raises_on_any_text(action):
     env.reset(seed=0)
     obs, r, term, trunc, info = env.step(action)
     assert isinstance(obs, str) and isinstance(r, float)
+
+
+def test_episode_totals_on_the_last_step_and_non_string_actions():
+    env = _env(max_turns=3)
+    env.reset(seed=0, options={"task_index": 1})
+    env.step('<tool_call>{"name": "power", "arguments": {"base": 2, "exponent": 10}}</tool_call><tool_call>[1]</tool_call>')
+    env.step('<tool_call>{"name": "power", "arguments": {"base": "2", "exponent": 10}}</tool_call>')
+    _, _, term, trunc, info = env.step('<tool_call>{"name": "power", "arguments": {"base": 2, "exponent": 3}}</tool_call>')
+    assert (term, trunc, info["finish_reason"]) == (False, True, "max_turns")
+    assert info["episode_totals"] == {"turns": 3, "tool_calls": 3, "tool_errors": 1, "tool_timeouts": 0,
+                                      "tool_malformed": 1, "tool_calls_by_name": {"power": 3},
+                                      "tool_errors_by_name": {"power": 1}}
+    env.reset(seed=0)
+    for bad in (None, b"bytes", ["list"]):
+        with pytest.raises(TypeError, match=r"ToolEnv.step\(action\) expects the assistant's message as a str, got"):
+            env.step(bad)
+    _, _, term, _, _ = env.step("\\boxed{0}")  # the episode is still usable after the rejected calls
+    assert term
+
+
+def test_schema_is_transformers_get_json_schema_normalised():
+    # The function -> schema mapping is get_json_schema's (what chat templates use for tools=[fn]); the only
+    # differences are deliberate: Optional as a "null" type (not OpenAPI "nullable"), defaults kept, no "return".
+    from transformers.utils import get_json_schema
+
+    lib = get_json_schema(power.fn)["function"]
+    ours = power.schema()["function"]
+    assert lib["parameters"]["properties"]["modulus"] == {"type": "integer", "nullable": True,
+                                                          "description": "Reduce modulo this, if given."}
+    assert ours["parameters"]["properties"]["modulus"] == {"type": ["integer", "null"], "default": None,
+                                                           "description": "Reduce modulo this, if given."}
+    for name in ("base", "exponent"):
+        expected = dict(lib["parameters"]["properties"][name])
+        if name == "exponent":
+            expected["default"] = 2
+        assert ours["parameters"]["properties"][name] == expected
+    assert ours["parameters"]["required"] == lib["parameters"]["required"] and "return" not in ours
+
+
+def test_arguments_are_validated_by_jsonschema_with_clear_messages():
+    def g(a: Optional[list[int]] = None, b: Union[list[int], dict[str, int], None] = None, d: int = 0) -> str:
+        """G."""
+        return repr((a, b, d))
+
+    t = Tool.from_function(g)
+    ok = execute(ToolCall("g", {"a": None, "b": {"k": 1}, "d": 3.0}), {"g": t})
+    assert not ok.error and ok.content == "(None, {'k': 1}, 3)"  # an integral float is an integer in JSON Schema
+    bad = execute(ToolCall("g", {"a": [1, "x"], "d": 3.5}), {"g": t})
+    assert bad.error and "argument 'a': item 1: expected integer, got string" in bad.content
+    assert "argument 'd': expected integer, got number" in bad.content
+    assert "Signature: g(a: array | null (optional), b: array | object | null (optional)" in bad.content

@@ -74,3 +74,16 @@ def test_property_round_trip_is_exact(tmp_path_factory, lps, reward):
     (back,) = read_jsonl(p)
     assert back.behavior_logprobs == t.behavior_logprobs and back.reward == reward
     back.validate()
+
+
+def test_schema_1_records_upgrade_with_empty_tool_counters():
+    d = Trajectory(token_ids=[1], action_mask=[False], behavior_logprobs=[0.0], policy_version=[-1],
+                   num_tool_calls=4).to_dict()
+    for k in ("num_tool_malformed", "tool_calls_by_name", "tool_errors_by_name"):
+        del d[k]
+    d["schema_version"] = 1
+    t = Trajectory.from_dict(d)
+    assert (t.num_tool_calls, t.num_tool_malformed, t.tool_calls_by_name) == (4, 0, {})
+    assert t.meta["upgraded_from"] == 1 and t.to_dict()["schema_version"] == SCHEMA_VERSION == 2
+    for reason in ("template_error", "generation_budget"):
+        Trajectory(finish_reason=reason).validate()
