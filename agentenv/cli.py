@@ -121,10 +121,11 @@ def cmd_rollout(args) -> int:
         trajs = run_episodes(lambda: gym.make(env_id, **env_kwargs), policy, args.episodes, cfg, seed=args.seed,
                              tasks=tasks, progress=True, on_trajectory=writer.write)
     m = batch_metrics(trajs)
-    errors = sum(t.finish_reason in ("env_error", "policy_error") for t in trajs)
+    errors = sum(t.finish_reason in ("env_error", "policy_error", "template_error") for t in trajs)
     print(f"episodes={len(trajs)} success={m['success_rate']:.3f} turns={m['turns_mean']:.2f} "
-          f"tool_rate={m['tool_share']:.2f} tool_calls={m['tool_calls_mean']:.2f} tokens={m['tokens']} "
-          f"truncation={m['truncation_rate']:.3f} errors={errors} wall={time.perf_counter() - t0:.1f}s -> {args.out}")
+          f"tool_rate={m['tool_share']:.2f} tool_calls={m['tool_calls_mean']:.2f} "
+          f"tool_malformed={m['tool_malformed_mean']:.2f} tokens={m['tokens']} truncation={m['truncation_rate']:.3f} "
+          f"errors={errors} wall={time.perf_counter() - t0:.1f}s -> {args.out}")
     return 0
 
 

@@ -397,23 +397,3 @@ def run_episodes(make_env: Callable[[], gym.Env], policy, n: int, cfg: RolloutCo
         if bar is not None:
             bar.close()
     return out
-
-
-def summarize(trajs: list[Trajectory], wall_time_s: float | None = None) -> dict:
-    """The one-line rollout summary (episodes, success rate, turns, tool calls, tokens, truncation, wall time)."""
-    n = max(1, len(trajs))
-    s = {
-        "episodes": len(trajs),
-        "success_rate": sum(t.success for t in trajs) / n,
-        "mean_reward": sum(t.reward for t in trajs) / n,
-        "mean_turns": sum(t.num_turns for t in trajs) / n,
-        "tool_calls_per_episode": sum(t.num_tool_calls for t in trajs) / n,
-        "tokens": sum(len(t.token_ids) for t in trajs),
-        "policy_tokens": sum(t.num_policy_tokens for t in trajs),
-        "truncation_rate": sum(t.truncated for t in trajs) / n,
-        "errors": sum(t.finish_reason in ("env_error", "policy_error", "template_error") for t in trajs),
-        "template_errors": sum(t.finish_reason == "template_error" for t in trajs),
-    }
-    if wall_time_s is not None:
-        s["wall_time_s"] = wall_time_s
-    return s

@@ -216,10 +216,9 @@ def test_template_error_mid_episode_keeps_tokens_and_does_not_abort_a_rollout(qw
         assert "TemplateNotAppendOnly" in t.error and sum(t.action_mask) == 2  # the sampled turn is kept
         assert t.messages[-1]["role"] == "user"  # the observation that could not be appended is kept for reading
         t.validate()
-    from agentenv.runtime import summarize
+    from agentenv.metrics import batch_metrics  # the one batch summary (rollout CLI, eval, training)
 
-    s = summarize(trajs)
-    assert s["template_errors"] == 3 and s["errors"] == 3
+    assert batch_metrics(trajs)["template_error_rate"] == 1.0
     # with segments the template's own exception (a jinja raise_exception) is the template_error
     t = run_episode(GuessNumberEnv(max_turns=20), policy, cfg(max_turns=10, on_template_rewrite="segment"), Task(seed=0))
     assert t.finish_reason == "template_error" and "too many turns" in t.error
