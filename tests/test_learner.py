@@ -168,7 +168,8 @@ def test_all_rejected_batch_gives_zero_gradient(base):
     assert stats["acceptance_rate"] == 0.0 and stats["retained_tokens"] == 0 and stats["grad_norm"] == 0.0
     assert math.isnan(stats["ratio_mean"])
     # ...and the optimizer is left untouched: no AdamW momentum / weight-decay drift on a batch with no signal.
-    assert stats["optimizer_step_skipped"] == 1 and stats["policy_version"] == 1
+    # Changed on purpose (issue 12): policy_version names the weights, so a skipped step keeps it; step counts updates
+    assert stats["optimizer_step_skipped"] == 1 and stats["policy_version"] == 0 and stats["step"] == 1
     assert stats["admitted"] == [False, False, False]
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
     learner.update([dataclasses.replace(t, id=t.id + "-again") for t in trajs])
