@@ -56,7 +56,7 @@ from torch import Tensor
 from agentenv.trajectory import Trajectory
 
 from . import checkpoint as ckpt
-from .batch import Batch, collate, microbatches
+from .batch import Batch, collate, microbatches, trajectory_stats
 from .logprobs import DEFAULT_CHUNK, TokenLogProbs
 from .losses import LOSSES, LossInputs, LossResult, get_loss, merge_results
 from .schedule import Schedule
@@ -366,24 +366,6 @@ class Learner:
 
     def close(self) -> None:
         """Nothing to release in-process (the sharded driver's ``close`` stops its ranks)."""
-
-
-def trajectory_stats(trajectories: Sequence[Trajectory], admitted: list[bool] | None, version: int) -> dict:
-    """Lag (vs ``version``, the weights the gradient was computed at), truncated-sampling share, and the gate's
-    acceptance among lag-0 trajectories."""
-    lags = [[version - v for v in t.versions] for t in trajectories]
-    flat = [x for row in lags for x in row]
-    out = {"policy_lag_mean": sum(flat) / len(flat), "policy_lag_max": max(flat)} if flat else {}
-    out["sampling_truncated_fraction"] = sum(_truncated(t) for t in trajectories) / len(trajectories)
-    lag0 = [i for i, row in enumerate(lags) if row and max(row) == 0]
-    if admitted is not None and lag0:
-        out["lag0_acceptance_rate"] = sum(admitted[i] for i in lag0) / len(lag0)
-    return out
-
-
-def _truncated(t: Trajectory) -> bool:
-    s = t.sampling or {}
-    return (s.get("top_k") or 0) > 0 or (s.get("top_p") or 1.0) < 1.0
 
 
 def _rank_rows(n: int, rank: int, world: int) -> list[int]:
