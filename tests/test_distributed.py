@@ -97,3 +97,26 @@ def test_two_gloo_ranks_update_equals_the_single_process_update(model_dir, tmp_p
     finally:
         sharded.close()
     assert math.isfinite(ref["loss"])
+
+
+def test_a_rank_that_cannot_start_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="sharded learner info: .*missing"):  # the ranks reported, promptly
+        ShardedLearner(CONFIG, str(tmp_path / "missing"), 2, timeout_s=120)
+
+
+def test_bf16_compute_keeps_float32_master_weights_on_the_ranks(model_dir):
+    import dataclasses
+
+    sharded = ShardedLearner(dataclasses.replace(CONFIG, autocast="bf16", lr=1e-3), model_dir, 2)
+    try:
+        assert sharded.components()["compute_dtype"] == "bfloat16"
+        assert sharded.components()["master_dtype"] == "float32"
+        before = sharded.export_weights(dtype=torch.float32)
+        stats = sharded.update(batch_of_trajectories(seed=5))
+        assert stats["policy_version"] == 1 and math.isfinite(stats["loss"])
+        after = sharded.export_weights()
+        assert all(v.dtype == torch.bfloat16 for v in after.values())  # samplers get the compute dtype
+        full = sharded.export_weights(dtype=torch.float32)
+        assert any(not torch.equal(full[k], before[k]) for k in before)
+    finally:
+        sharded.close()

@@ -24,7 +24,9 @@ Contract:
 from __future__ import annotations
 
 import os
+import queue
 import socket
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -154,9 +156,17 @@ class ShardedLearner:
             raise RuntimeError("the sharded learner is closed")
         for q in self._inboxes:
             q.put((name, args))
-        replies = {}
-        for _ in range(self.world_size):
-            rank, ok, value = self._outbox.get(timeout=self.timeout_s)
+        replies, deadline = {}, time.monotonic() + self.timeout_s
+        while len(replies) < self.world_size:
+            try:
+                rank, ok, value = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead or time.monotonic() > deadline:  # a crashed rank never answers: do not wait for it
+                    what = ", ".join(f"{p.name} exit code {p.exitcode}" for p in dead) or f"{self.timeout_s}s timeout"
+                    self.close()
+                    raise RuntimeError(f"sharded learner {name}: no reply ({what}); the learner ranks were stopped")
+                continue
             replies[rank] = (ok, value)
         failed = {r: v for r, (ok, v) in sorted(replies.items()) if not ok}
         if failed:  # a refused input is refused alike on every rank: re-raise it as the single learner would
@@ -172,7 +182,7 @@ class ShardedLearner:
         return stats
 
     def export_weights(self, device="cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        return {k: v.to(device) for k, v in self._call("export_weights", dtype).items()}
+        return {k: v.to(device) for k, v in self._call("export_weights", "cpu", dtype).items()}
 
     def components(self) -> dict:
         return dict(self._components)
@@ -198,15 +208,14 @@ class ShardedLearner:
         self._call("save_pretrained", str(out_dir), source or self.model_path)
 
     def close(self) -> None:
-        if not self._procs:
-            return
-        for q in self._inboxes:
+        procs, self._procs = self._procs, []
+        for q in self._inboxes if procs else []:
             q.put(("close", ()))
-        for p in self._procs:
+        for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-        self._procs = []
+                p.join()
 
     def __del__(self):
         try:
@@ -225,9 +234,9 @@ def _rank_main(rank, world, port, model_path, config, policy_version, inbox, out
         from .learner import Learner
         from .model_io import load_learner_model
 
+        model = load_learner_model(model_path)  # before joining the group: a bad path fails every rank alike, fast
         info = init_distributed()
-        learner = Learner(load_learner_model(model_path), config, device=info.device, shard=True,
-                          policy_version=policy_version)
+        learner = Learner(model, config, device=info.device, shard=True, policy_version=policy_version)
     except BaseException as e:
         outbox.put((rank, False, (type(e).__name__, traceback.format_exc())))
         return
