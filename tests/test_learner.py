@@ -353,6 +353,9 @@ def test_learner_config_defaults_equal_the_run_config_defaults():
     mine = LearnerConfig()
     for name in sorted(shared):
         assert getattr(mine, name) == getattr(algo, name), name
+    from agentenv.trainer.learner import NOT_LEARNER_FIELDS
+
+    assert set(AlgoConfig.model_fields) - shared == NOT_LEARNER_FIELDS  # every other algo field reaches the learner
 
 
 def test_learner_config_from_reads_every_section_it_names():

@@ -115,16 +115,22 @@ class LearnerConfig:
 
 
 _COMPUTE_DTYPES = {"auto": "auto", "float32": "none", "bfloat16": "bf16"}
+NOT_LEARNER_FIELDS = frozenset({"allow_truncated_sampling"})  # algo.* used before the run (lag0_trust_check)
 
 
 def learner_config_from(cfg, **overrides) -> LearnerConfig:
     """THE conversion from a :class:`agentenv.config.RunConfig`: ``cfg.algo`` (every field LearnerConfig shares),
     ``cfg.rollout.temperature``, ``cfg.loop.total_updates``, ``cfg.model.gradient_checkpointing`` and
-    ``cfg.model.dtype`` (the compute dtype; float16 is refused: bf16 needs no loss scaling, fp16 would)."""
+    ``cfg.model.dtype`` (the compute dtype; float16 is refused: bf16 needs no loss scaling, fp16 would). The one
+    ``algo`` field that is not the learner's is :data:`NOT_LEARNER_FIELDS` (read by the run's preflight)."""
     if cfg.model.dtype not in _COMPUTE_DTYPES:
         raise ValueError(f"model.dtype={cfg.model.dtype!r} is not a learner compute dtype: use bfloat16, float32 or auto")
     own = {f.name for f in fields(LearnerConfig)}
-    shared = {k: v for k, v in cfg.algo.model_dump().items() if k in own}
+    algo = cfg.algo.model_dump()
+    unknown = set(algo) - own - NOT_LEARNER_FIELDS
+    if unknown:  # a new algo field must be consumed here or declared as someone else's, never silently dropped
+        raise ValueError(f"algo fields {sorted(unknown)} have no LearnerConfig counterpart")
+    shared = {k: v for k, v in algo.items() if k in own}
     kw = dict(shared, temperature=cfg.rollout.temperature, total_steps=cfg.loop.total_updates,
               gradient_checkpointing=cfg.model.gradient_checkpointing, autocast=_COMPUTE_DTYPES[cfg.model.dtype],
               compute_entropy=True)
