@@ -450,3 +450,32 @@ def test_constant_length_ablation_through_the_learner(base):
             [dataclasses.replace(t, id=f"{t.id}-{len(kw)}") for t in trajs])
         assert stats["ratio_max"] == pytest.approx(1.0, abs=1e-5)  # mu = pi: rho = 1
         assert stats["loss"] == pytest.approx(float(-(adv * sums / denom).sum()), rel=1e-4)
+
+
+def test_a_new_loss_is_one_registered_function(base):
+    """The registry's extension point: a plain on-policy REINFORCE registered here trains through the same learner,
+    and its stats are merged the same way (per-row advantages, token counts, weighted ratio mean)."""
+    from agentenv.trainer.losses import LOSSES, LossResult, register_loss
+
+    @register_loss("test_reinforce", options=lambda c: {})
+    def reinforce(inp, **_):
+        adv = (inp.rewards - inp.full_batch.reward_mean).float()
+        per_row = torch.where(inp.action_mask, inp.log_probs, 0.0).sum(1) / inp.action_mask.sum(1)
+        loss = -(adv * per_row).sum() / inp.full_batch.num_trajectories
+        n = inp.action_mask.sum(1)
+        return LossResult(loss=loss, rows={"advantages": adv, "policy_tokens": n, "retained_tokens": n},
+                          sums={"loss": float(loss)}, means={"ratio_mean": (1.0, float(n.sum()))})
+
+    try:
+        trajs = make_trajectories(base, 5, seed=61)
+        stats = Learner(copy.deepcopy(base), LearnerConfig(loss="test_reinforce", max_tokens_per_microbatch=40)
+                        ).update(trajs)
+        ref = Learner(copy.deepcopy(base), LearnerConfig(no_is=True, max_tokens_per_microbatch=40)).update(
+            [dataclasses.replace(t, id=t.id + "-ref") for t in trajs])  # no_is: the same estimator, every row kept
+        assert stats["num_microbatches"] > 1 and stats["ratio_mean"] == 1.0
+        # the loss is a small difference of O(1) row terms: compare it absolutely (float32 summation order differs)
+        assert stats["loss"] == pytest.approx(ref["loss"], abs=1e-6) and stats["adv_std"] == ref["adv_std"]
+        assert stats["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+        assert "acceptance_rate" not in stats  # a loss without a gate reports none
+    finally:
+        LOSSES.pop("test_reinforce")
