@@ -287,7 +287,8 @@ def test_no_is_is_the_papers_ablation_ratio_one_and_no_gate():
     assert st["admitted"].tolist() == [True, True]  # both rows drift (D = .131 and 1.76) yet nothing is rejected
     kl0 = .25 * L(.25 / .5) + .75 * L(.75 / .5)
     kl1 = .9 * L(.9 / .1) + .1 * L(.1 / .9)
-    torch.testing.assert_close(st["seq_kl"], torch.tensor([kl0, kl1], dtype=torch.float64), rtol=1e-5, atol=1e-7)  # still reported: the measured KL(mu || pi)
+    # still reported: the measured KL(mu || pi)
+    torch.testing.assert_close(st["seq_kl"], torch.tensor([kl0, kl1], dtype=torch.float64), rtol=1e-5, atol=1e-7)
     # A = (+.5, -.5), rho = 1 (not 2 and .11), 1/(B T_i) = 1/2
     torch.testing.assert_close(grad_of(loss, lp), torch.tensor([[0.0, -0.5 / 2], [0.0, 0.5 / 2]]))
     assert st["ratio_max"].item() == st["ratio_min"].item() == 1.0 and st["retained_tokens"].tolist() == [1, 1]

@@ -124,7 +124,8 @@ def learner_config_from(cfg, **overrides) -> LearnerConfig:
     ``cfg.model.dtype`` (the compute dtype; float16 is refused: bf16 needs no loss scaling, fp16 would). The one
     ``algo`` field that is not the learner's is :data:`NOT_LEARNER_FIELDS` (read by the run's preflight)."""
     if cfg.model.dtype not in _COMPUTE_DTYPES:
-        raise ValueError(f"model.dtype={cfg.model.dtype!r} is not a learner compute dtype: use bfloat16, float32 or auto")
+        raise ValueError(f"model.dtype={cfg.model.dtype!r} is not a learner compute dtype: "
+                         "use bfloat16, float32 or auto")
     own = {f.name for f in fields(LearnerConfig)}
     algo = cfg.algo.model_dump()
     unknown = set(algo) - own - NOT_LEARNER_FIELDS
@@ -229,7 +230,8 @@ class Learner:
         prepared = spec.prepare(batch) if spec.prepare else {}
         with_entropy = spec.needs_entropy(cfg) or cfg.compute_entropy
         mine = _rank_rows(len(batch), rank, world)
-        local = [([mine[i] for i in rows], mb) for rows, mb in microbatches(batch.select(mine), cfg.max_tokens_per_microbatch)]
+        local = [([mine[i] for i in rows], mb)  # rows of the whole batch, for the loss's prepared tensors and stats
+                 for rows, mb in microbatches(batch.select(mine), cfg.max_tokens_per_microbatch)]
         passes = _max_over_ranks(len(local), self.device) if world > 1 else len(local)
         was_training = self.model.training
         self.model.train()  # HF only checkpoints activations in train mode; Qwen2 has no dropout to worry about

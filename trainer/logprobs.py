@@ -237,8 +237,9 @@ class TokenLogProbs(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, action_mask: Tensor, *, chunk_size: int = DEFAULT_CHUNK,
-                temperature: float = 1.0, with_entropy: bool = False) -> tuple[Tensor, Tensor]:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, action_mask: Tensor, *,
+                chunk_size: int = DEFAULT_CHUNK, temperature: float = 1.0,
+                with_entropy: bool = False) -> tuple[Tensor, Tensor]:
         logp, ent = token_log_probs(self.model, input_ids, attention_mask, action_mask, chunk_size=chunk_size,
                                     temperature=temperature, with_entropy=with_entropy)
         return logp, ent if ent is not None else torch.zeros_like(logp)  # FSDP hooks want tensors, not None

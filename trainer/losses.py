@@ -10,7 +10,8 @@ Contract:
 * :class:`LossResult` is the same for every loss, so the learner merges micro-batches one way:
   ``rows`` are per-trajectory ``[b]`` tensors (put back in batch order; ``advantages``, ``policy_tokens`` and
   ``retained_tokens`` are required), ``sums`` are added (``loss``: the micro-batch shares add up to the full loss),
-  ``means`` are ``name -> (value, weight)`` merged as weighted means, ``maxima`` / ``minima`` merged by max / min. A NaN value with weight 0 means "no such token in this micro-batch".
+  ``means`` are ``name -> (value, weight)`` merged as weighted means, ``maxima`` / ``minima`` merged by max / min.
+  A NaN value (weight 0 for a mean) means "no such token in this micro-batch" and is left out of the merge.
 * Adding a loss = one registered function here + a preset variant (``algo: {loss: NAME}``).
 
 The objectives themselves (the math, hand-checked in tests) live in :mod:`agentenv.trainer.loss`.
