@@ -162,18 +162,17 @@ def _config_from_args(args, default_preset: str | None = None):
             raise ConfigError(f"--resume {args.resume}: no config.yaml there (is it a run directory?)")
         return load_config(path, [], [f"run.dir={args.resume}"] + list(args.overrides))
     preset = args.preset or default_preset
-    if preset is None and env is not None:
-        if env in list_presets():
-            preset = env  # a preset named like the env (e.g. demo)
-        else:
-            from agentenv.envs import spec
+    if env is not None and env in list_presets() and preset is None:
+        preset = env  # a preset named like the env (e.g. demo)
+    elif env is not None:
+        from agentenv.envs import spec
 
-            try:
-                env_id = spec.resolve(env)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-            preset = spec.default_preset(env_id)
-            pre.append(f"env.id={env}")
+        try:
+            env_id = spec.resolve(env)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        preset = preset or spec.default_preset(env_id)
+        pre.append(f"env.id={env}")
     if preset is None:
         raise SystemExit("error: give --env ENV or --preset NAME (see `agentenv list`)")
     model = getattr(args, "model", None)

@@ -36,7 +36,10 @@ def env_kwargs(cfg: RunConfig, split: str | None = None) -> dict:
 def env_factory(cfg: RunConfig, split: str | None = None):
     from agentenv.trainer.backends import GymEnvFactory
 
-    return GymEnvFactory(spec.resolve(cfg.env.id), env_kwargs(cfg, split))
+    env_id = spec.resolve(cfg.env.id)
+    if ":" in cfg.env.id:  # keep gymnasium's module:EnvId form: a fresh process (a Ray actor) imports the module too
+        env_id = f"{cfg.env.id.split(':', 1)[0]}:{env_id}"
+    return GymEnvFactory(env_id, env_kwargs(cfg, split))
 
 
 def task_list(cfg: RunConfig, split: str | None = None, *, limit: int | None = None, samples: int = 1) -> list:

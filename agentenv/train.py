@@ -7,7 +7,7 @@ Contract of :func:`run(cfg)`:
    resolved ``RUN/config.yaml``.
 2. Optional SFT warm start (``sft.enabled``) into ``RUN/sft_model``.
 3. The parts the plan names are built -- samplers (:func:`policy_factory`: transformers or vLLM), the learner
-   (:func:`agentenv.trainer.learner.make_learner`: single device or FSDP2 ranks) -- and wired by
+   (:func:`agentenv.trainer.distributed.make_learner`: one process, or FSDP2 ranks) -- and wired by
    :class:`agentenv.trainer.loop.Trainer`; every update goes to ``RUN/metrics.jsonl`` / TensorBoard / one
    ``[update N]`` line (:class:`agentenv.metrics.MetricsLogger`), every trajectory to ``RUN/trajectories.jsonl``.
 4. Evaluation (:mod:`agentenv.evaluation`) at the start, every ``eval.every`` updates and at the end, always with the
@@ -79,7 +79,7 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
     from agentenv.evaluation import evaluate
     from agentenv.metrics import MetricsLogger
     from agentenv.episodes import env_factory, rollout_config, task_list
-    from agentenv.trainer.learner import make_learner
+    from agentenv.trainer.distributed import make_learner
     from agentenv.trainer.loop import Trainer
 
     plan = launch_plan(cfg)
@@ -117,10 +117,10 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return RunResult(run_dir, summary, [], evals)
 
-    # 2. the learner the plan names, and the check that its gate can admit anything at these sampling settings
+    # 2. the check that the gate can admit anything at these sampling settings, then the learner the plan names
+    _check_truncated_sampling(cfg, model_path, plan["device"])
     learner = make_learner(cfg, model_path, device=plan["device"])
     try:
-        _check_truncated_sampling(cfg, learner, model_path)
         tasks = task_list(cfg)
 
         def current_weights_policy():
@@ -148,7 +148,7 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
             if cfg.eval.every and step % cfg.eval.every == 0:
                 do_eval(current_weights_policy(), step)
             if cfg.loop.checkpoint_every and step % cfg.loop.checkpoint_every == 0:
-                learner.save_pretrained(run_dir / "checkpoints" / f"step_{step}" / "model", tokenizer_from=model_path)
+                learner.save_pretrained(run_dir / "checkpoints" / f"step_{step}" / "model", source=model_path)
 
         trainer = Trainer(cfg.loop, rollout=rollout_config(cfg), launch=cfg.launch, make_env=env_factory(cfg),
                           make_policy=make_policy, learner=learner, tasks=tasks, run_dir=run_dir, resume=resume,
@@ -163,8 +163,9 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
                 bar.close()
         if cfg.eval.at_end and not trainer.interrupted:  # Ctrl-C means "stop now": save, do not evaluate
             do_eval(current_weights_policy(), trainer.step)
-        final = learner.save_pretrained(run_dir / "final_model", tokenizer_from=model_path)
-        echo(f"model: {final}")
+        final = run_dir / "final_model"
+        learner.save_pretrained(final, source=model_path)
+        echo(f"model: {final}  (a Hugging Face model directory: --model {final})")
     finally:
         _close(eval_policy)
         learner.close()
@@ -188,15 +189,22 @@ def _close(policy) -> None:
         close()
 
 
-def _check_truncated_sampling(cfg: RunConfig, learner, model_path: str) -> None:
-    """top-k / top-p < 1 make mu differ from pi even at lag 0; refuse settings whose gate would reject everything."""
+def _check_truncated_sampling(cfg: RunConfig, model_path: str, device: str) -> None:
+    """top-k / top-p < 1 make mu differ from pi even at lag 0; refuse settings whose gate would reject everything
+    (measured: a short real generation from the starting model, scored by the learner's log-probs)."""
     r = cfg.rollout
     if r.top_k == 0 and r.top_p >= 1.0:
         return
-    from agentenv.trainer.learner import lag0_trust_check
+    from transformers import AutoTokenizer
 
-    acceptance, kl = lag0_trust_check(learner, model_path, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+    from agentenv.trainer.model_io import load_learner_model
+    from agentenv.trainer.preflight import lag0_trust_check
+
+    model = load_learner_model(model_path).to(device)
+    tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    acceptance, kl = lag0_trust_check(model, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                       delta=cfg.algo.delta)
+    del model
     msg = (f"rollout.top_k={r.top_k} / top_p={r.top_p}: at lag 0 the trust gate admits {acceptance:.0%} of sampled "
            f"sequences (mean sequence KL {kl:.3g} vs delta {cfg.algo.delta:g}), because mu is the truncated "
            "distribution and pi the full one. FlashREINFORCE wants top_k=0, top_p=1.")

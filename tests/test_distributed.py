@@ -1,102 +1,122 @@
-"""FSDP2 learner sharding on CPU: 2 gloo processes (torch.multiprocessing.spawn) vs one process on the whole batch.
+"""The sharded learner on CPU: 2 FSDP2 gloo ranks (spawned processes) running the ONE Learner, against the
+single-process Learner on the same batch.
 
-A real (small) Qwen2 model and real FlashREINFORCE loss: after one sharded step the gathered full state dict must
-equal the single-process step's weights, and the gathered admission mask / loss must match.
+A real small Qwen2 model (untied LM head, so the head is a separate root parameter the chunked path must gather) and
+the real FlashREINFORCE loss with the failure filter and micro-batching on: after one update the gathered weights must
+equal the single-process update's to 1e-6, and the stats (admission mask, loss, grad norm) must match.
 """
 
-import os
-import socket
+import math
 
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from agentenv.trajectory import Trajectory
+from agentenv.trainer import Learner, LearnerConfig
+from agentenv.trainer.distributed import ShardedLearner
+from agentenv.trainer.model_io import load_learner_model
+
+VOCAB = 97
 
 
-def small_model():
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from agentenv.tiny import small_tokenizer
+
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    return Qwen2ForCausalLM(cfg).float()
+                      tie_word_embeddings=False, pad_token_id=0)
+    out = tmp_path_factory.mktemp("model")
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    small_tokenizer().save_pretrained(out)  # a tokenizer for save_pretrained to copy (ids beyond VOCAB unused)
+    return str(out)
 
 
-def batch_of_trajectories(n=6):
-    g = torch.Generator().manual_seed(1)
+def batch_of_trajectories(n=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
         length = 10 + 3 * i
-        ids = torch.randint(0, 97, (length,), generator=g).tolist()
+        ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
         mask = [False] * 4 + [bool(x) for x in (torch.rand(length - 4, generator=g) < 0.7).tolist()]
         mask[-1] = True
         lps = [float(-torch.rand(1, generator=g) * 3) if m else 0.0 for m in mask]
         out.append(Trajectory(token_ids=ids, action_mask=mask, behavior_logprobs=lps,
                               policy_version=[0 if m else -1 for m in mask], reward=float(i % 3 == 0),
-                              success=i % 3 == 0, id=f"t{i}"))
+                              success=i % 3 == 0, id=f"s{seed}-t{i}"))
     return out
 
 
-def step(model, shard: bool):
-    from agentenv.trainer.distributed import shard_model, sharded_flashreinforce_step
-
-    if shard:
-        shard_model(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    # delta admits all but the most drifted rows, so the mask is non-trivial and must be gathered correctly
-    return sharded_flashreinforce_step(model, opt, batch_of_trajectories(), delta=2.0, max_grad_norm=100.0)
+# delta admits all but the most drifted rows, so the mask is non-trivial and must be gathered correctly; the failure
+# filter needs entropies; a token budget gives the two ranks DIFFERENT numbers of micro-batches
+CONFIG = LearnerConfig(lr=1e-6, delta=1.3, max_grad_norm=100.0, negative_token_fraction=0.5,
+                       max_tokens_per_microbatch=60, autocast="none")
 
 
-def _worker(rank, world, port, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    from agentenv.trainer.distributed import gather_full_state_dict, init_distributed
+def test_two_gloo_ranks_update_equals_the_single_process_update(model_dir, tmp_path):
+    single = Learner(load_learner_model(model_dir), CONFIG)
+    start = {k: v.clone() for k, v in single.model.state_dict().items()}
+    sharded = ShardedLearner(CONFIG, model_dir, 2)
+    try:
+        assert sharded.components() == {"strategy": "fsdp2", "world_size": 2, "master_dtype": "float32",
+                                         "compute_dtype": "float32"}
+        for seed in (1, 2):  # two updates: the second runs on AdamW state
+            trajs = batch_of_trajectories(seed=seed)
+            ref, got = single.update(trajs), sharded.update(trajs)
+            assert got["admitted"] == ref["admitted"] and 0 < ref["num_admitted"] < 6
+            assert ref["num_microbatches"] > 2 and got["num_microbatches"] > 2  # summed over ranks
+            for key in ("loss", "grad_norm", "seq_kl_mean", "ratio_mean", "entropy_mean", "adv_std"):
+                assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-8), key
+            assert (got["step"], got["policy_version"]) == (ref["step"], ref["policy_version"]) == (seed, seed)
+        weights = sharded.export_weights()
+        assert set(weights) == set(start)
+        for k, v in single.model.state_dict().items():
+            torch.testing.assert_close(weights[k], v, rtol=0, atol=1e-6, msg=f"{k} differs after the updates")
+        assert not torch.equal(start["lm_head.weight"], weights["lm_head.weight"])  # not vacuous
+        # the same refusals as the single learner, and the learner stays usable after them
+        with pytest.raises(ValueError, match="already used"):
+            sharded.update(batch_of_trajectories(seed=1))
+        with pytest.raises(ValueError, match="learner ranks a row"):
+            sharded.update(batch_of_trajectories(n=1, seed=3))
+        # a saved model: float32 HF directory with the tokenizer, equal to the gathered weights
+        sharded.save_pretrained(tmp_path / "final")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    info = init_distributed("gloo")
-    assert info.world_size == world
-    model = small_model()
-    stats = step(model, shard=True)
-    sd = gather_full_state_dict(model)  # collective; rank 0 gets everything
-    if rank == 0:
-        torch.save({"state": sd, "stats": stats}, out_path)
-    else:
-        assert sd == {}
-    dist.destroy_process_group()
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final", local_files_only=True)
+        AutoTokenizer.from_pretrained(tmp_path / "final", local_files_only=True)
+        for k, v in loaded.state_dict().items():
+            assert v.dtype == torch.float32 and torch.equal(v, weights[k]), k
+        # checkpoint round trip through the ranks
+        state = sharded.state_dict()
+        sharded.load_state_dict(state)
+        assert (sharded.step, sharded.policy_version) == (2, 2)
+    finally:
+        sharded.close()
+    assert math.isfinite(ref["loss"])
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_a_rank_that_cannot_start_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="sharded learner info: .*missing"):  # the ranks reported, promptly
+        ShardedLearner(CONFIG, str(tmp_path / "missing"), 2, timeout_s=120)
 
 
-def test_fsdp2_two_gloo_processes_match_single_process_step(tmp_path):
-    out = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
-    got = torch.load(out, weights_only=False)
+def test_bf16_compute_keeps_float32_master_weights_on_the_ranks(model_dir):
+    import dataclasses
 
-    ref_model = small_model()
-    ref_stats = step(ref_model, shard=False)
-    ref = ref_model.state_dict()
-    assert set(got["state"]) == set(ref)
-    for k, v in ref.items():
-        torch.testing.assert_close(got["state"][k], v, rtol=1e-5, atol=1e-6, msg=f"{k} differs after the step")
-    assert got["stats"]["admitted"] == ref_stats["admitted"]
-    assert 0 < ref_stats["num_admitted"] <= 6
-    assert got["stats"]["loss"] == pytest.approx(ref_stats["loss"], rel=1e-5, abs=1e-7)
-    assert got["stats"]["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-4)
-    # the step did change the weights (the comparison is not vacuous)
-    assert not torch.equal(small_model().state_dict()["lm_head.weight"], ref["lm_head.weight"])
-
-
-def test_rank_rows_cover_the_batch_once():
-    from agentenv.trainer.distributed import rank_rows
-
-    rows = [rank_rows(7, r, 3) for r in range(3)]
-    assert sorted(r for part in rows for r in part) == list(range(7))
-    with pytest.raises(ValueError, match="batch_size >= world size"):
-        rank_rows(1, 0, 2)
+    sharded = ShardedLearner(dataclasses.replace(CONFIG, autocast="bf16", lr=1e-3), model_dir, 2)
+    try:
+        assert sharded.components()["compute_dtype"] == "bfloat16"
+        assert sharded.components()["master_dtype"] == "float32"
+        before = sharded.export_weights(dtype=torch.float32)
+        stats = sharded.update(batch_of_trajectories(seed=5))
+        assert stats["policy_version"] == 1 and math.isfinite(stats["loss"])
+        after = sharded.export_weights()
+        assert all(v.dtype == torch.bfloat16 for v in after.values())  # samplers get the compute dtype
+        full = sharded.export_weights(dtype=torch.float32)
+        assert any(not torch.equal(full[k], before[k]) for k in before)
+    finally:
+        sharded.close()

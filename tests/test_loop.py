@@ -18,6 +18,7 @@ from agentenv.trainer.backends import GymEnvFactory
 from agentenv.trainer.dispatch import PromptSampler
 from agentenv.trainer.loop import Trainer
 from agentenv.trainer.workers import WorkerCrash
+from signal_env import CoinEnvFactory, ShortTurnTinyFactory
 
 from agentenv.policy import SamplingParams
 from agentenv.runtime import RolloutConfig, Task
@@ -37,8 +38,13 @@ def tiny():
             AutoTokenizer.from_pretrained(path, local_files_only=True), path)
 
 
-class TinyPolicyFactory:
-    """A fresh HFPolicy over a copy of the shared tiny weights (same as HFPolicyFactory("tiny"), without reloading)."""
+def TinyPolicyFactory(tiny):
+    """A fresh HFPolicy over a copy of the shared tiny weights whose turns end early (see tests/signal_env.py)."""
+    return ShortTurnTinyFactory(tiny)
+
+
+class LongTurnTinyFactory:
+    """The plain tiny HFPolicy: its turns run to max_new_tokens, so episodes stay in flight (fault tests)."""
 
     def __init__(self, tiny):
         self.tiny = tiny
@@ -66,7 +72,8 @@ def cfg(**kw):
 
 
 TASKS = [Task(seed=i) for i in range(12)]
-ENV = GymEnvFactory("agentenv/GuessNumber-v0")
+ENV = CoinEnvFactory()  # GuessNumber whose reward varies, so the learner really steps
+GUESS = GymEnvFactory("agentenv/GuessNumber-v0")
 
 
 def loop_threads():
@@ -117,7 +124,9 @@ def test_async_runs_updates_measures_lag_and_writes_logs(tiny, tmp_path):
     learner = make_learner(tiny)
     seen = []
     _, s = run(cfg(queue_size=2, total_updates=4), tiny, learner, on_update=seen.append, run_dir=tmp_path)
-    assert s["updates"] == 4 and learner.step == 4 and learner.policy_version == 4
+    assert s["updates"] == 4 and learner.step == 4
+    # the version names the weights: it moves on real optimizer steps only (a zero-signal batch is skipped)
+    assert learner.policy_version == 4 - sum(m["optimizer_step_skipped"] for m in seen) >= 1
     assert [m["update"] for m in seen] == [1, 2, 3, 4]
     for m in seen:
         assert m["accounting_balance"] == 0
@@ -128,6 +137,8 @@ def test_async_runs_updates_measures_lag_and_writes_logs(tiny, tmp_path):
     # Q=2 lets the next batch be generated while the learner updates: real (measured) lag appears
     assert max(m["lag_max"] for m in seen) > 0
     assert seen[0]["lag_max"] == 0  # the first batch can only come from version 0
+    assert [m["policy_version"] for m in seen] == [
+        sum(1 - x["optimizer_step_skipped"] for x in seen[:i + 1]) for i in range(4)]
     books_balance(s)
     assert s["trained"] + s["rejected"] == 16 and s["leftover_threads"] == 0
     assert loop_threads() == []
@@ -157,7 +168,8 @@ def test_killed_worker_loses_only_its_in_flight_episodes(tiny):
             lost["n"] = tr.inflight_on(0)
             tr.kill_worker(0)
 
-    tr = Trainer(cfg(total_updates=3, queue_size=2), rollout=ROLLOUT, make_env=ENV, make_policy=TinyPolicyFactory(tiny), learner=learner,
+    tr = Trainer(cfg(total_updates=3, queue_size=2), rollout=ROLLOUT, make_env=GUESS,
+                 make_policy=LongTurnTinyFactory(tiny), learner=learner,
                  tasks=TASKS, on_update=on_update)
     holder["tr"] = tr
     s = tr.run()
@@ -202,7 +214,7 @@ class HangOnSeed(gym.Wrapper):
 def test_crashing_env_takes_down_one_worker_and_the_run_goes_on(tiny):
     learner = make_learner(tiny)
     tasks = [Task(seed=100)] * 2 + [Task(seed=i) for i in range(10)]
-    _, s = run(cfg(total_updates=3), tiny, learner, tasks=tasks, env=lambda: CrashOnSeed(ENV(), {100}))
+    _, s = run(cfg(total_updates=3), tiny, learner, tasks=tasks, env=lambda: CrashOnSeed(GUESS(), {100}))
     assert s["updates"] == 3
     assert s["worker_restarts"] >= 1 and s["dropped_worker_crash"] >= 2  # the two crashing episodes at least
     books_balance(s)
@@ -218,8 +230,9 @@ def test_hanging_env_is_timed_out_and_counted(tiny):
         if m["dropped_env_timeout"] >= 1 and m["update"] >= 2:
             holder["tr"].request_stop()
 
-    env = lambda: HangOnSeed(ENV(), {1, 5})
-    tr = Trainer(cfg(total_updates=30, episode_timeout_s=1.0), rollout=ROLLOUT, make_env=env, make_policy=TinyPolicyFactory(tiny), learner=learner,
+    env = lambda: HangOnSeed(GUESS(), {1, 5})
+    tr = Trainer(cfg(total_updates=30, episode_timeout_s=1.0), rollout=ROLLOUT, make_env=env,
+                 make_policy=LongTurnTinyFactory(tiny), learner=learner,
                  tasks=tasks, on_update=on_update)
     holder["tr"] = tr
     t0 = time.monotonic()
@@ -267,7 +280,7 @@ def test_sigint_stops_cleanly_and_resume_continues_step_and_data_order(tiny, tmp
     seen = []
     tr2 = Trainer(cfg(total_updates=4), rollout=ROLLOUT, run_dir=tmp_path, resume=True, make_env=ENV,
                   make_policy=TinyPolicyFactory(tiny), learner=learner2, tasks=TASKS, on_update=seen.append)
-    assert tr2.step == 2 and learner2.step == 2 and learner2.policy_version == 2
+    assert tr2.step == 2 and learner2.step == 2 and learner2.policy_version == tr1.learner.policy_version
     s2 = tr2.run()
     assert [m["update"] for m in seen] == [3, 4] and learner2.step == 4
     k = len(requeue)

@@ -237,19 +237,26 @@ def test_masked_nan_inf_and_garbage_do_not_leak():
         assert torch.isfinite(st[k]).all(), k
 
 
-def test_rejected_rows_never_exponentiate_and_admitted_overflow_raises():
+def test_log_ratio_is_clamped_to_30_on_kept_tokens_and_rejected_rows_never_exponentiate():
+    # Changed on purpose (issue 12): the reference clamps the float32 log-ratio to [-30, 30]; an overflow used to raise.
     lp = leaf([[0.0, -1e-3], [0.0, -1e-3]])
-    mu = torch.tensor([[0.0, -200.0], [0.0, -1e-3]])  # exp(200) overflows float32
+    mu = torch.tensor([[0.0, -200.0], [0.0, -1e-3]])  # log pi - log mu = 199.999: exp overflows float32 unclamped
     mask = torch.tensor([[False, True], [False, True]])
     loss, st = flashreinforce_loss(lp, mu, torch.tensor([0.0, 1.0]), mask, delta=3e-3)  # row 0 rejected: fine
     assert st["admitted"].tolist() == [False, True] and torch.isfinite(loss)
-    with pytest.raises(FloatingPointError, match="overflow"):
-        flashreinforce_loss(lp, mu, torch.tensor([0.0, 1.0]), mask, delta=math.inf)
-    # float64 goes further before overflowing (exp(200) is fine), and overflows at exp(800)
-    loss64, _ = flashreinforce_loss(lp.double(), mu.double(), torch.tensor([0.0, 1.0]), mask, delta=math.inf)
-    assert torch.isfinite(loss64)
-    with pytest.raises(FloatingPointError):
-        flashreinforce_loss(lp.double(), mu.double() * 4, torch.tensor([0.0, 1.0]), mask, delta=math.inf)
+    loss, st = flashreinforce_loss(lp, mu, torch.tensor([0.0, 1.0]), mask, delta=math.inf)
+    assert st["ratio_max"].item() == pytest.approx(math.exp(30.0), rel=1e-6) and st["ratio_min"].item() == 1.0
+    # d loss / d log pi_01 = -(A_0 rho / (B T_0)) = -(-0.5 * e^30 / 2)
+    torch.testing.assert_close(grad_of(loss, lp), torch.tensor([[0.0, 0.25 * math.exp(30.0)], [0.0, -0.25]]))
+    # the lower side: log pi - log mu = -100 -> rho = e^-30, float64 too
+    lp64 = leaf([[0.0, -100.0]], torch.float64)
+    _, st = flashreinforce_loss(lp64, torch.tensor([[0.0, -1e-9]], dtype=torch.float64), torch.tensor([1.0]),
+                                mask[:1], delta=math.inf)
+    assert st["ratio_max"].item() == pytest.approx(math.exp(-30.0), rel=1e-12)
+    # non-finite inputs are still an error, never clamped
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="non-finite"):
+            flashreinforce_loss(lp, torch.tensor([[0.0, -bad]]).expand(2, 2), torch.tensor([0.0, 1.0]), mask)
 
 
 def test_half_precision_promotes_to_float32_and_float64_stays():
@@ -271,15 +278,34 @@ def test_half_precision_promotes_to_float32_and_float64_stays():
 # --- ablations ------------------------------------------------------------------------------------------------------
 
 
-def test_no_is_uses_ratio_one_and_keeps_the_gate():
+def test_no_is_is_the_papers_ablation_ratio_one_and_no_gate():
+    # Changed on purpose (issue 12): no_is used to keep the mu-based gate; in the paper it compares pi with itself.
     lp = leaf([[0.0, L(.5)], [0.0, L(.1)]])
     mu = torch.tensor([[0.0, L(.25)], [0.0, L(.9)]])
     mask = torch.tensor([[False, True], [False, True]])
-    _, st = flashreinforce_loss(lp, mu, torch.tensor([1.0, 0.0]), mask, no_is=True)
-    assert st["admitted"].tolist() == [False, False]  # both rows drift (D = .131 and 1.76): no_is keeps the gate
-    loss, st = flashreinforce_loss(lp, mu, torch.tensor([1.0, 0.0]), mask, no_is=True, delta=math.inf)
-    torch.testing.assert_close(grad_of(loss, lp), torch.tensor([[0.0, -0.5 / 2], [0.0, 0.5 / 2]]))  # no rho = 2, .11
-    assert st["ratio_max"].item() == st["ratio_min"].item() == 1.0
+    loss, st = flashreinforce_loss(lp, mu, torch.tensor([1.0, 0.0]), mask, no_is=True, delta=0.0)
+    assert st["admitted"].tolist() == [True, True]  # both rows drift (D = .131 and 1.76) yet nothing is rejected
+    kl0 = .25 * L(.25 / .5) + .75 * L(.75 / .5)
+    kl1 = .9 * L(.9 / .1) + .1 * L(.1 / .9)
+    # still reported: the measured KL(mu || pi)
+    torch.testing.assert_close(st["seq_kl"], torch.tensor([kl0, kl1], dtype=torch.float64), rtol=1e-5, atol=1e-7)
+    # A = (+.5, -.5), rho = 1 (not 2 and .11), 1/(B T_i) = 1/2
+    torch.testing.assert_close(grad_of(loss, lp), torch.tensor([[0.0, -0.5 / 2], [0.0, 0.5 / 2]]))
+    assert st["ratio_max"].item() == st["ratio_min"].item() == 1.0 and st["retained_tokens"].tolist() == [1, 1]
+
+
+def test_constant_length_divides_every_row_by_b_times_the_constant():
+    lp = leaf([[0.0, L(.5), L(.5), L(.5)], [0.0, L(.2), 0.0, 0.0]])
+    mask = torch.tensor([[False, True, True, True], [False, True, False, False]])
+    loss, _ = flashreinforce_loss(lp, lp.detach(), torch.tensor([1.0, 0.0]), mask, delta=math.inf, constant_length=4)
+    # A = (+.5, -.5), rho = 1, weight = A / (B * 4) = +-1/16 on every policy token whatever the row's length (3, 1)
+    w = 0.5 / (2 * 4)
+    torch.testing.assert_close(grad_of(loss, lp), torch.tensor([[0.0, -w, -w, -w], [0.0, w, 0.0, 0.0]]))
+    assert loss.item() == pytest.approx(-(w * 3 * L(.5) - w * L(.2)))
+    with pytest.raises(ValueError, match="choose one"):
+        flashreinforce_loss(lp, lp.detach(), torch.tensor([1.0, 0.0]), mask, token_mean=True, constant_length=4)
+    with pytest.raises(ValueError, match="constant_length must be a positive int"):
+        flashreinforce_loss(lp, lp.detach(), torch.tensor([1.0, 0.0]), mask, constant_length=0)
 
 
 def test_micro_batches_with_full_batch_totals_sum_to_the_full_loss():

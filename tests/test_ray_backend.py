@@ -6,6 +6,7 @@ the books balance, and nothing is left behind (actors, threads, the cluster this
 """
 
 import copy
+from pathlib import Path
 import os
 import threading
 
@@ -46,12 +47,18 @@ def test_ray_backend_trains_survives_actor_kill_and_cleans_up():
             tr.kill_worker(1)  # ray.kill of the actor process
 
     # picklable factories: the actors import them by reference
-    tr = Trainer(cfg, rollout=rollout, launch=launch, make_env=GymEnvFactory("agentenv/GuessNumber-v0"),
-                 make_policy=HFPolicyFactory("tiny", device="cpu"),
+    # picklable factories whose episodes have reward variance, so the learner really steps (tests/signal_env.py);
+    # the actors get them by value (the tests folder is not importable in their processes)
+    import signal_env
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(signal_env)
+    tr = Trainer(cfg, rollout=rollout, launch=launch, make_env=signal_env.CoinEnvFactory(),
+                 make_policy=signal_env.ShortTurnTinyFactory(),
                  learner=learner, tasks=[Task(seed=i) for i in range(12)], on_update=on_update)
     holder["tr"] = tr
     s = tr.run()
-    assert s["updates"] == 4 and learner.step == 4
+    assert s["updates"] == 4 and learner.step == 4 and learner.policy_version >= 1
     assert max(m["lag_max"] for m in seen) > 0  # measured, across actor processes
     assert s["worker_restarts"] == 1
     assert s["dropped_worker_crash"] == lost["n"]
@@ -65,19 +72,27 @@ def test_ray_backend_trains_survives_actor_kill_and_cleans_up():
             if t.name.startswith("agentenv") and not t.name.startswith("agentenv-sandbox-spawner")] == []
 
 
-def test_periodic_eval_uses_the_learners_current_weights_with_ray_rollouts(tmp_path):
+def test_periodic_eval_uses_the_learners_current_weights_with_ray_rollouts(tmp_path, monkeypatch):
     """With rollout workers in Ray actors the driver has no sampler of its own: evaluation must still play the
-    learner's CURRENT weights (the tokens of the eval trajectories carry the version that sampled them)."""
+    learner's CURRENT weights (the tokens of the eval trajectories carry the version that sampled them). The model
+    and env have a learning signal (tests/signal_env.py), so every update is a real optimizer step."""
+    import signal_env
+
     from agentenv.config import load_config
     from agentenv.train import run
 
+    tests = str(Path(signal_env.__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests + os.pathsep + os.environ.get("PYTHONPATH", ""))  # for the actors
+    model = signal_env.two_token_model_dir(tmp_path / "model")
     cfg = load_config("text_env", [], [
-        "env.id=guess", "model.name=tiny", "model.dtype=float32", "loop.backend=ray", "loop.num_workers=1",
-        "loop.batch_size=2", "loop.total_updates=2", "eval.every=1", "eval.episodes=2", "eval.at_end=false",
-        "rollout.max_new_tokens=8", "launch.ray_num_cpus=2", "launch.worker_num_cpus=0.5", "run.plot=false",
-        f"run.dir={tmp_path / 'run'}", "algo.lr=1e-3"])
+        "env.id=signal_env:CoinGuess-v0", f"model.name={model}", "model.dtype=float32", "loop.backend=ray",
+        "loop.num_workers=1", "loop.batch_size=4", "loop.total_updates=3", "eval.every=1", "eval.episodes=2",
+        "eval.at_end=false", "rollout.max_new_tokens=8", "launch.ray_num_cpus=2", "launch.worker_num_cpus=0.5",
+        "run.plot=false", f"run.dir={tmp_path / 'run'}", "algo.lr=1e-3"])
     res = run(cfg, progress=False, echo=lambda *a: None)
-    assert [e["update"] for e in res.evals] == [1, 2]
-    assert [e["policy_versions"] for e in res.evals] == [[1], [2]]
+    versions = [m["policy_version"] for m in res.history]
+    assert versions[-1] >= 1  # real steps happened
+    assert [e["update"] for e in res.evals] == [1, 2, 3]
+    assert [e["policy_versions"] for e in res.evals] == [[v] for v in versions]
     assert res.summary["components"]["rollout_backend"] == "ray" and res.summary["components"]["sampler"] == "hf"
     assert not ray.is_initialized()

@@ -91,6 +91,8 @@ class Ledger:
 
     def __init__(self, record: Callable[[Trajectory], None] = lambda t: None):
         self.counters = Counters()
+        self.failing_in_a_row = 0  # episodes that ended as errors since the last usable one
+        self.last_error = ""
         self.inflight: dict[int, InFlight] = {}
         self.buffer: list[Trajectory] = []
         self.record = record
@@ -110,8 +112,11 @@ class Ledger:
         if f.group_id is not None:
             traj.meta["group_id"] = f.group_id
         if traj.finish_reason in ERROR_FINISH or (traj.token_ids and not any(traj.action_mask)):
+            self.failing_in_a_row += 1
+            self.last_error = f"{traj.finish_reason}: {traj.error or 'no trainable token'}"
             self._drop(traj, "error", step)
             return
+        self.failing_in_a_row = 0
         self.buffer.append(traj)
         self.counters.queued += 1
 

@@ -13,6 +13,8 @@ Contract:
   within a token budget (a row longer than the budget goes alone). Rows are never split, so the per-row ``T_i`` is
   unchanged; the whole-batch quantities (reward mean, ``B``, ``sum T_i``) come from :meth:`Batch.full_batch`, computed
   BEFORE splitting and passed to every micro-batch's loss, which makes accumulated gradients equal the full batch's.
+* :func:`trajectory_stats` summarises what the tensors do not carry: policy lag against a given weight version,
+  the share sampled with top-k / top-p < 1, and the trust gate's acceptance among lag-0 trajectories.
 """
 
 from __future__ import annotations
@@ -136,3 +138,21 @@ def microbatches(batch: Batch, max_tokens: int | None) -> list[tuple[list[int], 
         else:
             groups.append([i])
     return [(rows, batch.select(rows)) for rows in groups]
+
+
+def trajectory_stats(trajectories: Sequence[Trajectory], admitted: list[bool] | None, version: int) -> dict:
+    """Lag (vs ``version``, the weights the gradient was computed at), truncated-sampling share, and the gate's
+    acceptance among lag-0 trajectories."""
+    lags = [[version - v for v in t.versions] for t in trajectories]
+    flat = [x for row in lags for x in row]
+    out = {"policy_lag_mean": sum(flat) / len(flat), "policy_lag_max": max(flat)} if flat else {}
+    out["sampling_truncated_fraction"] = sum(_truncated(t) for t in trajectories) / len(trajectories)
+    lag0 = [i for i, row in enumerate(lags) if row and max(row) == 0]
+    if admitted is not None and lag0:
+        out["lag0_acceptance_rate"] = sum(admitted[i] for i in lag0) / len(lag0)
+    return out
+
+
+def _truncated(t: Trajectory) -> bool:
+    s = t.sampling or {}
+    return (s.get("top_k") or 0) > 0 or (s.get("top_p") or 1.0) < 1.0

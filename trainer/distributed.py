@@ -1,35 +1,39 @@
-"""Scaling the learner past one device: FSDP2 (``torch.distributed.fsdp.fully_shard``) data parallelism.
+"""The learner past one device: FSDP2 ranks running the ONE :class:`~agentenv.trainer.learner.Learner`, and the single
+object the driver talks to.
 
 Contract:
 
-* :func:`init_distributed` joins the process group described by the usual env vars (``torchrun`` sets ``RANK``,
-  ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``; a Ray-placed learner group sets the same on each
-  actor). Backend: NCCL with CUDA, gloo otherwise (CPU tests).
-* :func:`shard_model` applies ``fully_shard`` to every decoder layer, then the root. FSDP2 AVERAGES gradients over
-  ranks; each rank's loss is its exact share of the full-batch loss, so the step backpropagates ``world * share``
-  and the average is the single-process gradient of the whole batch. (A sum reduction via
-  ``set_gradient_divide_factor(1)`` would say the same, but it uses PREMUL_SUM, which gloo does not have.)
-* :func:`sharded_flashreinforce_step` is one FlashREINFORCE update with the batch split by rows across ranks: every
-  rank collates the WHOLE batch (so ``B``, the reward mean and the token totals are global -- the advantage
-  ``R_i - mean(R)`` must be over the whole batch, not a rank's slice), keeps its rows ``rank::world``, computes the
-  loss with the whole-batch totals, backward, clip, step. It equals a single-process step on the whole batch up to
-  float rounding (tested with 2 gloo processes). Every rank must call it with the same trajectories.
-* :func:`gather_full_state_dict` is a collective: every rank calls it; rank 0 gets the full, unsharded CPU state
-  dict to publish to rollout workers (``ray.put`` + ``load_weights``), the others get ``{}``.
-
-The log-probs here come from the model's own forward (``model(...).logits``), which FSDP2 unshards correctly; the
-memory-lean chunked path of :mod:`agentenv.trainer.logprobs` reads ``lm_head.weight`` outside the root forward and
-needs an explicit unshard before it can run on a sharded model.
+* :func:`make_learner` is what a run calls: ``launch.learner_world_size == 1`` gives an in-process
+  :class:`Learner`; ``W > 1`` gives a :class:`ShardedLearner` that spawns W worker processes
+  (``torch.multiprocessing``, spawn), each joining a process group (gloo on CPU, NCCL on GPU, rank r on ``cuda:r``)
+  and building ``Learner(model, config, shard=True)``. Both have the same interface: ``update(trajs) -> stats``,
+  ``step``, ``policy_version``, ``export_weights()``, ``state_dict()`` / ``load_state_dict()``, ``save(path)`` /
+  ``load(path)``, ``save_pretrained(dir)``, ``components()``, ``close()``.
+* Every rank receives every command with the same arguments (the whole batch: the rows are split inside
+  :meth:`Learner.update`); rank 0's reply is returned. An exception on any rank is raised in the driver with that
+  rank's traceback, and the learner stays usable when the error was a refused input (every rank refuses alike).
+* :func:`fsdp2_shard` applies ``fully_shard`` to every decoder layer, then to the :class:`TokenLogProbs` wrapper as
+  the root (it owns the embedding, final norm and LM head, gathered around the chunked log-prob forward). With a bf16
+  compute dtype: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; the sharded master weights and
+  AdamW state stay float32.
+* :func:`gather_full_state_dict` / :func:`full_train_state` are collectives: rank 0 gets full CPU state dicts, other
+  ranks ``{}``. A sharded checkpoint's optimizer state is keyed by parameter name (DCP's full state dict): it
+  resumes a sharded learner of any world size, not a single-process one.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import socket
+import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from agentenv.trajectory import Trajectory
 
@@ -68,84 +72,195 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
                 break
         if isinstance(mod, torch.nn.ModuleList):
             return list(mod)
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}; pass them to shard_model(layers=...)")
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
-def shard_model(model: torch.nn.Module, *, layers: Sequence[torch.nn.Module] | None = None, mesh=None,
-                reshard_after_forward: bool = True, mp_policy=None) -> torch.nn.Module:
-    """FSDP2-shard ``model`` in place (per layer, then the root)."""
-    from torch.distributed.fsdp import fully_shard
+def fsdp2_shard(root: torch.nn.Module, model: torch.nn.Module, *, bf16: bool) -> torch.nn.Module:
+    """FSDP2-shard ``root`` (the module whose forward runs the model) in place: each decoder layer, then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kw = {"reshard_after_forward": reshard_after_forward}
-    if mesh is not None:
-        kw["mesh"] = mesh
-    if mp_policy is not None:
-        kw["mp_policy"] = mp_policy
-    for layer in layers if layers is not None else decoder_layers(model):
+    kw = {}
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
         fully_shard(layer, **kw)
-    fully_shard(model, **kw)
-    return model
+    fully_shard(root, **kw)
+    return root
 
 
 def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Collective. Rank 0: the full CPU state dict (for publishing); other ranks: ``{}``. Plain modules pass through."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-    )
+    """Collective. Rank 0: the full CPU state dict; other ranks: ``{}``. Plain modules pass through."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if not dist.is_initialized():
         return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def rank_rows(n: int, rank: int, world: int) -> list[int]:
-    """Rows ``rank, rank + world, ...``: strided so ranks get similar lengths after length-sorted batching."""
-    if n < world:
-        raise ValueError(f"batch of {n} trajectories cannot give every one of {world} ranks a row: "
-                         "FSDP collectives need every rank in the forward; use batch_size >= world size")
-    return list(range(rank, n, world))
+def full_train_state(model, optimizer) -> tuple[dict, dict]:
+    """Collective: full (model, optimizer) state dicts on rank 0, ``({}, {})`` elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def sharded_flashreinforce_step(model, optimizer, trajectories: Sequence[Trajectory], *, delta: float = 3e-3,
-                                max_grad_norm: float = 1.0, pad_token_id: int = 0, temperature: float = 1.0) -> dict:
-    """One FlashREINFORCE step on this rank's rows of the batch (see the module docstring). Returns global stats."""
-    from .batch import collate
-    from .loss import flashreinforce_loss
+def load_full_train_state(model, optimizer, model_state: dict, optim_state: dict) -> None:
+    """Collective: every rank passes the same full state dicts (as :func:`full_train_state` wrote them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    batch = collate(trajectories, pad_token_id=pad_token_id)
-    full = batch.full_batch()  # whole-batch B, mean reward, token total: identical on every rank
-    rows = rank_rows(len(batch), rank, world)
-    mb = batch.select(rows)
-    device = next(model.parameters()).device
-    ids, attn = mb.input_ids.to(device), mb.attention_mask.to(device)
-    logits = model(input_ids=ids, attention_mask=attn.long()).logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    # logits at t-1 predict token t; position 0 predicts nothing (its action_mask is False by contract)
-    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    logp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
-    loss, st = flashreinforce_loss(logp, mb.behavior_log_probs.to(device), mb.rewards.to(device),
-                                   mb.action_mask.to(device), delta=delta, full_batch=full)
-    optimizer.zero_grad(set_to_none=True)
-    (loss * world).backward()  # FSDP2 averages over ranks: mean of world * share = sum of shares = full gradient
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    admitted = [False] * len(batch)
-    local = list(zip(rows, st["admitted"].tolist()))
-    parts = [None] * world
-    if world > 1:
-        dist.all_gather_object(parts, local)
-    else:
-        parts = [local]
-    for part in parts:
-        for i, ok in part:
-            admitted[i] = bool(ok)
-    total_loss = loss.detach().clone()
-    if world > 1:
-        dist.all_reduce(total_loss)
-    return {"loss": float(total_loss), "grad_norm": float(grad_norm), "admitted": admitted,
-            "num_admitted": sum(admitted), "acceptance_rate": sum(admitted) / len(batch)}
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+# --- the driver's object over W ranks -------------------------------------------------------------------------------
+
+
+def make_learner(cfg, model_path: str, device: str | None = None, **overrides):
+    """The learner a run executes: one process, or ``cfg.launch.learner_world_size`` FSDP2 ranks (see the module
+    docstring). ``overrides`` go to :func:`~agentenv.trainer.learner.learner_config_from`."""
+    from .learner import Learner, learner_config_from
+    from .model_io import load_learner_model
+
+    config = learner_config_from(cfg, **overrides)
+    world = cfg.launch.learner_world_size
+    if world == 1:
+        return Learner(load_learner_model(model_path), config, device=device)
+    return ShardedLearner(config, model_path, world)
+
+
+class ShardedLearner:
+    """W worker processes, each one FSDP2 rank of :class:`Learner`; the Learner's interface in the driver."""
+
+    def __init__(self, config, model_path: str, world_size: int, *, policy_version: int = 0, timeout_s: float = 3600):
+        if world_size < 2:
+            raise ValueError(f"a sharded learner needs world_size >= 2, got {world_size}")
+        if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+            raise RuntimeError(f"launch.learner_world_size={world_size} but only {torch.cuda.device_count()} GPUs "
+                               "are visible: lower it or make the GPUs visible")
+        self.config, self.model_path, self.world_size, self.timeout_s = config, model_path, world_size, timeout_s
+        ctx = mp.get_context("spawn")
+        self._inboxes = [ctx.Queue() for _ in range(world_size)]
+        self._outbox = ctx.Queue()
+        port = _free_port()
+        self._procs = [ctx.Process(target=_rank_main, daemon=True, name=f"learner-rank{r}",
+                                   args=(r, world_size, port, model_path, config, policy_version, self._inboxes[r],
+                                         self._outbox))
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+        info = self._call("info")
+        self.step, self.policy_version, self._components = info["step"], info["policy_version"], info["components"]
+
+    def _call(self, name: str, *args):
+        if not self._procs:
+            raise RuntimeError("the sharded learner is closed")
+        for q in self._inboxes:
+            q.put((name, args))
+        replies, deadline = {}, time.monotonic() + self.timeout_s
+        while len(replies) < self.world_size:
+            try:
+                rank, ok, value = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead or time.monotonic() > deadline:  # a crashed rank never answers: do not wait for it
+                    what = ", ".join(f"{p.name} exit code {p.exitcode}" for p in dead) or f"{self.timeout_s}s timeout"
+                    self.close()
+                    raise RuntimeError(f"sharded learner {name}: no reply ({what}); the learner ranks were stopped")
+                continue
+            replies[rank] = (ok, value)
+        failed = {r: v for r, (ok, v) in sorted(replies.items()) if not ok}
+        if failed:  # a refused input is refused alike on every rank: re-raise it as the single learner would
+            kind = ValueError if all(kind == "ValueError" for kind, _ in failed.values()) else RuntimeError
+            first = next(iter(failed.values()))[1].strip().splitlines()[-1]
+            raise kind(f"sharded learner {name}: {first}\n" + "\n".join(f"rank {r}:\n{tb}" for r, (_, tb) in
+                                                                         failed.items()))
+        return replies[0][1]
+
+    def update(self, trajectories: Sequence[Trajectory]) -> dict:
+        stats = self._call("update", list(trajectories))
+        self.step, self.policy_version = stats["step"], stats["policy_version"]
+        return stats
+
+    def export_weights(self, device="cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        return {k: v.to(device) for k, v in self._call("export_weights", "cpu", dtype).items()}
+
+    def components(self) -> dict:
+        return dict(self._components)
+
+    def state_dict(self) -> dict:
+        return self._call("state_dict")
+
+    def load_state_dict(self, state: dict) -> None:
+        self._call("load_state_dict", state)
+        self.step, self.policy_version = int(state["step"]), int(state["policy_version"])
+
+    def save(self, path) -> None:
+        from . import checkpoint as ckpt
+
+        ckpt.atomic_save(self.state_dict(), path)
+
+    def load(self, path) -> None:
+        from . import checkpoint as ckpt
+
+        self.load_state_dict(ckpt.load(path))
+
+    def save_pretrained(self, out_dir, source: str | None = None) -> None:
+        self._call("save_pretrained", str(out_dir), source or self.model_path)
+
+    def close(self) -> None:
+        procs, self._procs = self._procs, []
+        for q in self._inboxes if procs else []:
+            q.put(("close", ()))
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: queues may already be gone
+            return
+
+
+def _rank_main(rank, world, port, model_path, config, policy_version, inbox, outbox) -> None:
+    """One learner rank: join the group, build the sharded Learner, serve commands until ``close``."""
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank))
+        if not torch.cuda.is_available():
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        from .learner import Learner
+        from .model_io import load_learner_model
+
+        model = load_learner_model(model_path)  # before joining the group: a bad path fails every rank alike, fast
+        info = init_distributed()
+        learner = Learner(model, config, device=info.device, shard=True, policy_version=policy_version)
+    except BaseException as e:
+        outbox.put((rank, False, (type(e).__name__, traceback.format_exc())))
+        return
+    while True:
+        name, args = inbox.get()
+        if name == "close":
+            break
+        try:
+            value = _serve(learner, name, args)
+            outbox.put((rank, True, value if rank == 0 else None))
+        except Exception as e:
+            outbox.put((rank, False, (type(e).__name__, traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+def _serve(learner, name: str, args: tuple):
+    if name == "info":
+        return {"step": learner.step, "policy_version": learner.policy_version, "components": learner.components()}
+    if name in ("update", "export_weights", "state_dict", "load_state_dict", "save_pretrained"):
+        return getattr(learner, name)(*args)
+    raise ValueError(f"unknown learner command {name!r}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

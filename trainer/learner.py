@@ -1,20 +1,41 @@
-"""The learner: one optimizer step per fresh batch of completed trajectories.
+"""The learner: one optimizer step per fresh batch of completed trajectories, on one device or as one FSDP2 rank.
 
 Contract of :meth:`Learner.update`:
 
 1. Refuse a trajectory seen before (by this learner, across checkpoints) or twice in the batch: ``ValueError``.
-   A trajectory's key is its ``id``, or a content hash when ``id`` is empty.
-2. Collate (:func:`~agentenv.trainer.batch.collate`), take the whole-batch totals, split into length-bucketed
-   micro-batches (``max_tokens_per_microbatch``), and per micro-batch: chunked current log-probs (entropies when the
-   failure filter is on or ``compute_entropy``), the loss with the whole-batch totals, ``backward()``. The summed
-   gradients equal the full-batch loss's gradient.
+   A trajectory's key is its ``id``, or a content hash when ``id`` is empty. Refuse a trajectory sampled at another
+   temperature than ``LearnerConfig.temperature`` (pi must be evaluated as mu was).
+2. Collate (:func:`~agentenv.trainer.batch.collate`), take the whole-batch totals and the loss's whole-batch
+   preparation (:mod:`~agentenv.trainer.losses`), split into length-bucketed micro-batches
+   (``max_tokens_per_microbatch``), and per micro-batch: chunked current log-probs (with the model's final-logit
+   processing; entropies when the loss needs them or ``compute_entropy``), the registered loss with the whole-batch
+   totals, ``backward()``. The summed gradients equal the full-batch loss's gradient.
 3. Clip the grad norm (a non-finite norm raises and nothing is stepped), set the lr from the schedule, take ONE AdamW
-   step, bump ``step`` and ``policy_version``, record the batch as consumed, and return float/int stats (plus
-   ``admitted``: one bool per trajectory, in input order).
+   step, record the batch as consumed, and return float/int stats (plus ``admitted``: one bool per trajectory, in
+   input order).
 
-bf16 autocast is used on CUDA (``autocast="auto"``), float32 on CPU. ``gradient_checkpointing`` turns on the HF
-model's activation checkpointing. Weights for rollout workers: :meth:`export_weights` (a CPU copy of the state dict)
-or :meth:`named_weights` (a no-copy iterator); ``policy_version`` is the version the CURRENT weights carry.
+``step`` counts updates (batches consumed; it also indexes the lr schedule). ``policy_version`` names the WEIGHTS: it
+is bumped only when the optimizer actually stepped. A batch with no signal (every row rejected, or every advantage
+zero) has gradient exactly 0 and is consumed without an optimizer step (stats ``optimizer_step_skipped=1``), so the
+weights -- and their version -- stay as they were. A trajectory's lag is ``policy_version - v`` for each of its
+token versions ``v``, where ``policy_version`` is the version of the weights the gradient was computed at (before
+this update), so lag 0 means "sampled by exactly these weights".
+
+Precision: master weights and AdamW state are float32 whatever dtype the model arrived in. The COMPUTE dtype is
+``autocast``: ``"bf16"`` (bf16 autocast; sharded: FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``), ``"none"`` (float32), or ``"auto"`` (bf16 on CUDA, float32 on CPU). :meth:`export_weights`
+hands samplers the weights in the compute dtype.
+
+Sharding: with ``shard=True`` (inside an initialised process group; see :mod:`~agentenv.trainer.distributed`, which
+also gives the driver one object over W such ranks) the model is FSDP2-sharded, every rank collates the whole
+batch (global totals), processes the rows ``rank::world``, and runs the SAME micro-batch / loss / step code; the ranks
+run equally many forward passes (a rank with fewer micro-batches repeats one with zero weight) and the per-row stats
+are gathered so every rank returns the same stats. FSDP2 averages gradients, so each rank backpropagates
+``world x`` its share.
+
+Truncated sampling: ``sampling_truncated_fraction`` is the share of the batch sampled with top-k or top-p < 1 (mu is
+then not the distribution pi is evaluated under); when at least half the lag-0 trajectories are rejected by the gate a
+warning is logged (see :func:`agentenv.trainer.preflight.lag0_trust_check` to refuse such settings up front).
 """
 
 from __future__ import annotations
@@ -22,27 +43,32 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from agentenv.trajectory import Trajectory
 
 from . import checkpoint as ckpt
-from .batch import collate, microbatches
-from .logprobs import DEFAULT_CHUNK, token_log_probs
-from .loss import flashreinforce_loss, group_advantages, grpo_loss
+from .batch import Batch, collate, microbatches, trajectory_stats
+from .logprobs import DEFAULT_CHUNK, TokenLogProbs
+from .losses import LOSSES, LossInputs, LossResult, get_loss, merge_results
 from .schedule import Schedule
 
-LOSSES = ("flashreinforce", "grpo")
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class LearnerConfig:
+    """Every field shared with :class:`agentenv.config.AlgoConfig` has the SAME default (a test holds them equal);
+    build one from a run config with :func:`learner_config_from`."""
+
     # optimizer
     lr: float = 1e-6
     weight_decay: float = 0.1
@@ -54,12 +80,13 @@ class LearnerConfig:
     total_steps: int | None = None  # needed by "cosine"
     warmup_ratio: float = 0.03
     min_lr_ratio: float = 0.1
-    # objective
-    loss: str = "flashreinforce"  # "flashreinforce" | "grpo" (baseline)
-    delta: float = 3e-3  # sequence trust threshold on the mean sampled-token Bernoulli KL
+    # objective (a name registered in losses.py, and its options)
+    loss: str = "flashreinforce"
+    delta: float = 1e-3  # sequence trust threshold on the mean sampled-token Bernoulli KL
     no_trust: bool = False  # ablation: delta = inf
-    no_is: bool = False  # ablation: importance ratio's denominator = detached current policy
+    no_is: bool = False  # ablation (paper): ratio denominator = detached current policy, and no gate
     token_mean: bool = False  # ablation: 1 / sum_j T_j instead of 1 / (B T_i)
+    constant_length: int | None = None  # ablation: 1 / (B L) instead of 1 / (B T_i)
     negative_token_fraction: float = 1.0  # < 1 keeps only the top-entropy fraction of a failed row's tokens
     failure_threshold: float | None = None  # failed = reward < this; None: failed = not success
     grpo_clip_eps: float = 0.2
@@ -67,23 +94,49 @@ class LearnerConfig:
     temperature: float = 1.0  # divide logits by this: must match the sampler's temperature
     max_tokens_per_microbatch: int | None = None  # padded rows x width per forward; None = whole batch at once
     logprob_chunk_size: int = DEFAULT_CHUNK
-    compute_entropy: bool = False  # report entropy_mean even when the filter does not need it
+    compute_entropy: bool = False  # report entropy_mean even when the loss does not need it
     gradient_checkpointing: bool = False
-    autocast: str = "auto"  # "auto" (bf16 on CUDA, none on CPU) | "bf16" | "none"
+    autocast: str = "auto"  # compute dtype: "auto" (bf16 on CUDA, float32 on CPU) | "bf16" | "none"
     pad_token_id: int | None = None  # None: model.config.pad_token_id, else 0
 
     def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        get_loss(self.loss)  # a clear error listing the registered losses
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be auto, bf16 or none, got {self.autocast!r}")
         if not self.lr > 0 or self.weight_decay < 0 or not self.max_grad_norm > 0:
             raise ValueError("need lr > 0, weight_decay >= 0, max_grad_norm > 0")
+        if self.token_mean and self.constant_length is not None:
+            raise ValueError("token_mean and constant_length are two different normalisations: choose one")
         self.betas = tuple(self.betas)
         self.lr_schedule()  # validates the schedule fields
 
     def lr_schedule(self) -> Schedule:
         return Schedule(self.schedule, self.total_steps, self.warmup_ratio, self.min_lr_ratio)
+
+
+_COMPUTE_DTYPES = {"auto": "auto", "float32": "none", "bfloat16": "bf16"}
+NOT_LEARNER_FIELDS = frozenset({"allow_truncated_sampling"})  # algo.* used before the run (lag0_trust_check)
+
+
+def learner_config_from(cfg, **overrides) -> LearnerConfig:
+    """THE conversion from a :class:`agentenv.config.RunConfig`: ``cfg.algo`` (every field LearnerConfig shares),
+    ``cfg.rollout.temperature``, ``cfg.loop.total_updates``, ``cfg.model.gradient_checkpointing`` and
+    ``cfg.model.dtype`` (the compute dtype; float16 is refused: bf16 needs no loss scaling, fp16 would). The one
+    ``algo`` field that is not the learner's is :data:`NOT_LEARNER_FIELDS` (read by the run's preflight)."""
+    if cfg.model.dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"model.dtype={cfg.model.dtype!r} is not a learner compute dtype: "
+                         "use bfloat16, float32 or auto")
+    own = {f.name for f in fields(LearnerConfig)}
+    algo = cfg.algo.model_dump()
+    unknown = set(algo) - own - NOT_LEARNER_FIELDS
+    if unknown:  # a new algo field must be consumed here or declared as someone else's, never silently dropped
+        raise ValueError(f"algo fields {sorted(unknown)} have no LearnerConfig counterpart")
+    shared = {k: v for k, v in algo.items() if k in own}
+    kw = dict(shared, temperature=cfg.rollout.temperature, total_steps=cfg.loop.total_updates,
+              gradient_checkpointing=cfg.model.gradient_checkpointing, autocast=_COMPUTE_DTYPES[cfg.model.dtype],
+              compute_entropy=True)
+    kw.update(overrides)
+    return LearnerConfig(**kw)
 
 
 def trajectory_key(traj: Trajectory) -> str:
@@ -96,22 +149,43 @@ def trajectory_key(traj: Trajectory) -> str:
 
 class Learner:
     def __init__(self, model: torch.nn.Module, config: LearnerConfig | None = None, *, device=None,
-                 policy_version: int = 0):
+                 policy_version: int = 0, shard: bool = False):
         self.config = cfg = config or LearnerConfig()
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.model = model.to(self.device)
+        self.model = model.to(device=self.device, dtype=torch.float32)  # float32 master weights, whatever arrived
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.scorer = TokenLogProbs(model)
+        self.sharded = shard
+        if shard:
+            from .distributed import fsdp2_shard
+
+            fsdp2_shard(self.scorer, model, bf16=self.compute_dtype == torch.bfloat16)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
         )
+        self.loss_spec = get_loss(cfg.loss)
         self.schedule = cfg.lr_schedule()
-        self.step = 0  # optimizer steps taken
-        self.policy_version = policy_version  # version of the current weights; +1 per update
+        self.step = 0  # updates taken (batches consumed)
+        self.policy_version = policy_version  # version of the current weights; +1 per optimizer step
         self.consumed: set[str] = set()
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(model.config, "pad_token_id", None)
         self.pad_token_id = 0 if pad is None else int(pad)
+
+    @property
+    def rank_world(self) -> tuple[int, int]:
+        return (dist.get_rank(), dist.get_world_size()) if self.sharded else (0, 1)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        mode = self.config.autocast
+        return torch.bfloat16 if mode == "bf16" or (mode == "auto" and self.device.type == "cuda") else torch.float32
+
+    def components(self) -> dict:
+        return {"strategy": "fsdp2" if self.sharded else "single", "world_size": self.rank_world[1],
+                "master_dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                "compute_dtype": str(self.compute_dtype).removeprefix("torch.")}
 
     # --- the update -----------------------------------------------------------------------------------------------
     def update(self, trajectories: Sequence[Trajectory]) -> dict:
@@ -119,47 +193,13 @@ class Learner:
         cfg = self.config
         keys = [trajectory_key(t) for t in trajectories]
         self._check_fresh(keys)
-        for t in trajectories:  # pi_theta must be evaluated at the temperature mu was sampled at, or rho is biased
-            temp = (t.sampling or {}).get("temperature")
-            if isinstance(temp, (int, float)) and temp > 0 and not math.isclose(temp, cfg.temperature):
-                raise ValueError(f"trajectory {t.id!r} was sampled at temperature {temp} but the learner evaluates "
-                                 f"log-probs at LearnerConfig.temperature={cfg.temperature}")
+        self._check_temperature(trajectories)
         batch = collate(trajectories, pad_token_id=self.pad_token_id, failure_threshold=cfg.failure_threshold)
-        full = batch.full_batch()
-        filtering = cfg.loss == "flashreinforce" and cfg.negative_token_fraction < 1.0
-        with_entropy = filtering or cfg.compute_entropy
-        grpo_adv = group_advantages(batch.rewards, batch.group_ids) if cfg.loss == "grpo" else None
-
-        was_training = self.model.training
-        self.model.train()  # HF only checkpoints activations in train mode; Qwen2 has no dropout to worry about
-        self.optimizer.zero_grad(set_to_none=True)
-        parts = []
-        for rows, mb in microbatches(batch, cfg.max_tokens_per_microbatch):
-            mb = mb.to(self.device)
-            with self._autocast():
-                logp, ent = token_log_probs(
-                    self.model, mb.input_ids, mb.attention_mask, mb.action_mask,
-                    chunk_size=cfg.logprob_chunk_size, temperature=cfg.temperature, with_entropy=with_entropy,
-                )
-            if cfg.loss == "grpo":
-                loss, st = grpo_loss(logp, mb.behavior_log_probs, grpo_adv[rows].to(self.device), mb.action_mask,
-                                     clip_eps=cfg.grpo_clip_eps, num_policy_tokens=full.num_policy_tokens)
-            else:
-                loss, st = flashreinforce_loss(
-                    logp, mb.behavior_log_probs, mb.rewards, mb.action_mask,
-                    delta=math.inf if cfg.no_trust else cfg.delta,
-                    negative_token_fraction=cfg.negative_token_fraction,
-                    entropies=ent, failures=mb.failures if filtering else None,
-                    no_is=cfg.no_is, token_mean=cfg.token_mean, full_batch=full,
-                )
-            if ent is not None and "entropy_mean" not in st:
-                st["entropy_mean"] = ent.detach()[mb.action_mask].double().mean()
-            loss.backward()
-            parts.append((rows, st))
-        self.model.train(was_training)
+        parts = self._backward(batch)
 
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm, error_if_nonfinite=True)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         lr = cfg.lr * self.schedule(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -167,28 +207,61 @@ class Learner:
         # The estimator's step is then a no-op; AdamW's is not (momentum and weight decay would keep moving the
         # policy while the gate rejects everything, which drifts it further from the behaviour policy: a collapse
         # seen in the CPU demo). So such a batch is consumed and counted, but the optimizer is left untouched.
-        skipped = float(grad_norm) == 0.0
+        skipped = grad_norm == 0.0
         if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # free gradient memory between updates
+        stats = merge_results(parts, len(batch))
+        stats.update(trajectory_stats(trajectories, stats.get("admitted"), self.policy_version))
+        self._warn_on_lag0_rejection(stats)
         self.step += 1
-        self.policy_version += 1
+        self.policy_version += 0 if skipped else 1  # the version names the weights: unchanged weights, same version
         self.consumed.update(keys)  # only after the step: a failed update may be retried with the same batch
-
-        stats = _merge_stats(parts, len(batch))
-        stats.update(self._lag_stats(trajectories))
-        stats.update(
-            reward_mean=float(batch.rewards.mean()),
-            grad_norm=float(grad_norm),
-            optimizer_step_skipped=int(skipped),
-            lr=lr,
-            step=self.step,
-            policy_version=self.policy_version,
-            num_trajectories=len(batch),
-            num_microbatches=len(parts),
-            learner_time_s=time.perf_counter() - t0,
-        )
+        stats.update(reward_mean=float(batch.rewards.mean()), grad_norm=grad_norm, optimizer_step_skipped=int(skipped),
+                     lr=lr, step=self.step, policy_version=self.policy_version, num_trajectories=len(batch),
+                     num_microbatches=len(parts), learner_time_s=time.perf_counter() - t0)
         return stats
+
+    def _backward(self, batch: Batch) -> list[tuple[list[int], LossResult]]:
+        """Forward + loss + backward over this rank's micro-batches; returns every rank's ``(rows, result)``."""
+        cfg, spec = self.config, self.loss_spec
+        rank, world = self.rank_world
+        full = batch.full_batch()  # whole-batch totals: identical on every rank
+        prepared = spec.prepare(batch) if spec.prepare else {}
+        with_entropy = spec.needs_entropy(cfg) or cfg.compute_entropy
+        mine = _rank_rows(len(batch), rank, world)
+        local = [([mine[i] for i in rows], mb)  # rows of the whole batch, for the loss's prepared tensors and stats
+                 for rows, mb in microbatches(batch.select(mine), cfg.max_tokens_per_microbatch)]
+        passes = _max_over_ranks(len(local), self.device) if world > 1 else len(local)
+        was_training = self.model.training
+        self.model.train()  # HF only checkpoints activations in train mode; Qwen2 has no dropout to worry about
+        self.optimizer.zero_grad(set_to_none=True)
+        parts = []
+        for i in range(passes):
+            rows, mb = local[min(i, len(local) - 1)]
+            mb = mb.to(self.device)
+            with self._autocast():
+                logp, ent = self.scorer(mb.input_ids, mb.attention_mask, mb.action_mask,
+                                        chunk_size=cfg.logprob_chunk_size, temperature=cfg.temperature,
+                                        with_entropy=with_entropy)
+            extra = {k: v[rows].to(self.device) for k, v in prepared.items()}
+            inputs = LossInputs(logp, mb.behavior_log_probs, mb.action_mask, mb.rewards, mb.failures, full,
+                                ent if with_entropy else None, extra)
+            result = spec.compute(inputs, **spec.options(cfg))
+            if i >= len(local):  # a repeat that only keeps this rank in step with the others' collectives
+                (result.loss * 0.0).backward()
+                continue
+            (result.loss * world).backward()  # FSDP2 averages over ranks: mean of world x share = sum of shares
+            if with_entropy and "entropy_mean" not in result.means:
+                n = float(mb.action_mask.sum())
+                result.means["entropy_mean"] = (float(ent.detach()[mb.action_mask].double().mean()), n)
+            parts.append((rows, _to_cpu(result)))
+        self.model.train(was_training)
+        if world > 1:
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, parts)
+            parts = [p for rank_parts in gathered for p in rank_parts]
+        return parts
 
     def _check_fresh(self, keys: list[str]) -> None:
         if not keys:
@@ -202,25 +275,46 @@ class Learner:
             raise ValueError(f"trajectories {dups[:5]} were already used for an update (or repeat in this batch); "
                              "FlashREINFORCE takes one step per FRESH batch and discards it")
 
+    def _check_temperature(self, trajectories: Sequence[Trajectory]) -> None:
+        for t in trajectories:  # pi_theta must be evaluated at the temperature mu was sampled at, or rho is biased
+            temp = (t.sampling or {}).get("temperature")
+            if isinstance(temp, (int, float)) and temp > 0 and not math.isclose(temp, self.config.temperature):
+                raise ValueError(f"trajectory {t.id!r} was sampled at temperature {temp} but the learner evaluates "
+                                 f"log-probs at LearnerConfig.temperature={self.config.temperature}")
+
+    def _warn_on_lag0_rejection(self, stats: dict) -> None:
+        rate = stats.get("lag0_acceptance_rate")
+        if rate is None or rate > 0.5 or self.rank_world[0] != 0:
+            return
+        truncated = stats.get("sampling_truncated_fraction", 0.0)
+        why = (f"{100 * truncated:.0f}% of the batch was sampled with top-k / top-p < 1: use top_p=1, top_k=0 with "
+               "FlashREINFORCE" if truncated else "the sampler's distribution differs from the learner's (precision, "
+               "logit processing or temperature)")
+        log.warning("the trust gate rejected %.0f%% of the lag-0 trajectories (sampled by these very weights): %s",
+                    100 * (1 - rate), why)
+
     def _autocast(self):
-        mode = self.config.autocast
-        if mode == "bf16" or (mode == "auto" and self.device.type == "cuda"):
+        if self.compute_dtype == torch.bfloat16:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _lag_stats(self, trajectories) -> dict:
-        lags = [self.policy_version - 1 - v for t in trajectories for v in t.versions]  # vs the weights just updated
-        return {"policy_lag_mean": sum(lags) / len(lags), "policy_lag_max": max(lags)} if lags else {}
-
     # --- weights for rollout workers ------------------------------------------------------------------------------
-    def export_weights(self, device="cpu") -> dict[str, Tensor]:
-        """A detached copy of the state dict (tied tensors stay shared in the copy)."""
+    def export_weights(self, device="cpu", dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """A detached copy of the full state dict in ``dtype`` (default: the compute dtype) for samplers; tied
+        tensors stay shared in the copy. Sharded: a collective, rank 0 gets the weights, other ranks ``{}``."""
+        dtype = dtype or self.compute_dtype
+        if self.sharded:
+            from .distributed import gather_full_state_dict
+
+            state = gather_full_state_dict(self.model)
+        else:
+            state = self.model.state_dict()
         copies: dict = {}
         out = {}
-        for name, t in self.model.state_dict().items():
+        for name, t in state.items():
             key = (t.data_ptr(), t.dtype, tuple(t.shape))
             if key not in copies:
-                copies[key] = t.detach().to(device, copy=True)
+                copies[key] = t.detach().to(device=device, dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
             out[name] = copies[key]
         return out
 
@@ -229,11 +323,26 @@ class Learner:
         for name, p in self.model.named_parameters():
             yield name, p.detach()
 
+    def save_pretrained(self, out_dir, source: str | None = None) -> None:
+        """A Hugging Face model directory in float32 master precision (+ the tokenizer found at ``source``).
+        Sharded: a collective; rank 0 writes."""
+        from .model_io import save_pretrained
+
+        state = self.export_weights(dtype=torch.float32)
+        if self.rank_world[0] == 0:
+            save_pretrained(self.model, state, out_dir, source=source)
+
     # --- checkpointing --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        if self.sharded:
+            from .distributed import full_train_state
+
+            model_state, optim_state = full_train_state(self.model, self.optimizer)
+        else:
+            model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "step": self.step,
             "policy_version": self.policy_version,
             "consumed": sorted(self.consumed),
@@ -243,8 +352,13 @@ class Learner:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:
+            from .distributed import load_full_train_state
+
+            load_full_train_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.policy_version = int(state["policy_version"])
         self.consumed = set(state["consumed"])
@@ -258,78 +372,27 @@ class Learner:
         """Restore from :meth:`save`'s file into this learner (built with the same model architecture)."""
         self.load_state_dict(ckpt.load(path, map_location=self.device))
 
-
-def _merge_stats(parts: list[tuple[list[int], dict]], batch_size: int) -> dict:
-    """Per-row stats back in batch order, then batch-level floats for a metrics logger."""
-    def rows_of(key, dtype=torch.float64):
-        out = torch.zeros(batch_size, dtype=dtype)
-        for rows, st in parts:
-            out[rows] = st[key].detach().cpu().to(dtype)
-        return out
-
-    adv = rows_of("advantages")
-    policy, retained = rows_of("policy_tokens", torch.long), rows_of("retained_tokens", torch.long)
-    stats = {
-        "loss": sum(float(st["loss"]) for _, st in parts),
-        "adv_mean": float(adv.mean()),
-        "adv_std": float(adv.std(unbiased=False)),
-        "policy_tokens": int(policy.sum()),
-        "retained_tokens": int(retained.sum()),
-    }
-    if "seq_kl" in parts[0][1]:
-        kl, admitted = rows_of("seq_kl"), rows_of("admitted", torch.bool)
-        stats.update(acceptance_rate=float(admitted.double().mean()), num_admitted=int(admitted.sum()),
-                     seq_kl_mean=float(kl.mean()), seq_kl_max=float(kl.max()),
-                     admitted=admitted.tolist())  # per trajectory, in the order given: the loop labels rejections
-    # ratio stats are over retained tokens: weight each micro-batch's mean by its retained count
-    counts = [int(st["retained_tokens"].sum()) for _, st in parts]
-    live = [(n, st) for n, (_, st) in zip(counts, parts) if n > 0]
-    if live:
-        stats["ratio_mean"] = sum(n * float(st["ratio_mean"]) for n, st in live) / sum(n for n, _ in live)
-        stats["ratio_max"] = max(float(st["ratio_max"]) for _, st in live)
-        stats["ratio_min"] = min(float(st["ratio_min"]) for _, st in live)
-    else:
-        stats.update(ratio_mean=math.nan, ratio_max=math.nan, ratio_min=math.nan)
-    if "clip_fraction" in parts[0][1]:
-        stats["clip_fraction"] = sum(n * float(st["clip_fraction"]) for n, (_, st) in zip(counts, parts)) / sum(counts)
-    if "entropy_mean" in parts[0][1]:
-        n_pol = [int(st["policy_tokens"].sum()) for _, st in parts]
-        stats["entropy_mean"] = sum(n * float(st["entropy_mean"]) for n, (_, st) in zip(n_pol, parts)) / sum(n_pol)
-    return stats
+    def close(self) -> None:
+        """Nothing to release in-process (the sharded driver's ``close`` stops its ranks)."""
 
 
-# --- interim single-device factory (replaced by the sharded learner's factory) ------------------------------------
-def make_learner(cfg, model_path: str, device: str | None = None) -> "Learner":
-    from transformers import AutoModelForCausalLM
-
-    a = cfg.algo
-    if cfg.launch.learner_world_size > 1:
-        raise ValueError("launch.learner_world_size > 1 is not available in this build")
-    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
-    lc = LearnerConfig(lr=a.lr, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm, schedule=a.schedule,
-                       total_steps=cfg.loop.total_updates, warmup_ratio=a.warmup_ratio, min_lr_ratio=a.min_lr_ratio,
-                       loss=a.loss, delta=a.delta, no_trust=a.no_trust, no_is=a.no_is, token_mean=a.token_mean,
-                       negative_token_fraction=a.negative_token_fraction, grpo_clip_eps=a.grpo_clip_eps,
-                       temperature=cfg.rollout.temperature, max_tokens_per_microbatch=a.max_tokens_per_microbatch,
-                       gradient_checkpointing=cfg.model.gradient_checkpointing, compute_entropy=True)
-    learner = Learner(model, lc, device=device)
-    learner.model_path = model_path
-    return learner
+def _rank_rows(n: int, rank: int, world: int) -> list[int]:
+    """Rows ``rank, rank + world, ...``: strided so ranks get similar lengths."""
+    if n < world:
+        raise ValueError(f"batch of {n} trajectories cannot give every one of {world} learner ranks a row: "
+                         "use loop.batch_size >= launch.learner_world_size")
+    return list(range(rank, n, world))
 
 
-def _save_pretrained(self, out, tokenizer_from: str | None = None):
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    out = Path(out)
-    self.model.save_pretrained(out)
-    if tokenizer_from:
-        AutoTokenizer.from_pretrained(tokenizer_from, local_files_only=True).save_pretrained(out)
-    return out
+def _max_over_ranks(n: int, device) -> int:
+    t = torch.tensor([n], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
 
 
-Learner.save_pretrained = _save_pretrained
-Learner.components = lambda self: {"strategy": "single", "world_size": 1, "master_dtype": "float32",
-                                   "compute_dtype": "float32"}
-Learner.close = lambda self: None
+def _to_cpu(r: LossResult) -> LossResult:
+    return LossResult(loss=r.loss.detach().cpu(), rows={k: v.cpu() for k, v in r.rows.items()}, sums=r.sums,
+                      means=r.means, maxima=r.maxima, minima=r.minima)
+
+
+__all__ = ["LOSSES", "Learner", "LearnerConfig", "learner_config_from", "trajectory_key"]

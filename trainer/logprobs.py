@@ -10,10 +10,19 @@ Contract:
 * :func:`token_log_probs` runs a causal LM's body once, keeps only the hidden states that predict policy tokens (the
   state at t-1 predicts token t), and returns ``[B, T]`` log-probs / entropies with zeros off the action mask.
   Position 0 has no prediction, so ``action_mask[:, 0]`` must be False.
+* The model's own final-logit processing is applied after the output projection, exactly as its HF forward does
+  (:func:`final_logits_of`: Gemma-2/3 ``final_logit_softcapping`` -> ``cap * tanh(z / cap)``, Cohere ``logit_scale``
+  -> ``z * s``, Granite ``logits_scaling`` -> ``z / s``), then the temperature. Other post-``lm_head`` processing a
+  family may add is not known here: :func:`final_logits_of` refuses config keys that look like one.
+* :class:`TokenLogProbs` wraps a model so the whole computation is ONE module forward: FSDP2 (root = the wrapper)
+  then gathers the embedding / final norm / LM head around it and reduce-scatters their gradients, which a bare
+  read of ``lm_head.weight`` outside a forward would not do.
 * Matmuls run in the hidden states' dtype (bf16 under autocast); logsumexp/softmax always in float32.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -21,9 +30,37 @@ from torch import Tensor
 DEFAULT_CHUNK = 512  # 512 x 151,665 float32 logits = 0.31 GB buffer (two with entropies)
 
 
-def _chunk_logits(buf: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    """Logits of the chunk ``h`` written into the reused buffer ``buf`` (float32/64). Reusing one buffer per pass
-    avoids allocating -- and page-faulting -- a fresh chunk x V block for every chunk."""
+@dataclass(frozen=True)
+class FinalLogits:
+    """What a model does to ``lm_head``'s output before the softmax: ``softcap(scale * z)``."""
+
+    scale: float = 1.0
+    softcap: float | None = None  # cap * tanh(z / cap)
+
+
+# config keys of post-lm_head processing we do not implement: refuse rather than compute a different pi than mu
+_UNSUPPORTED_LOGIT_KEYS = ("lm_head_multiplier", "dim_model_base")  # Falcon-H1, MiniCPM
+
+
+def final_logits_of(config) -> FinalLogits:
+    """The final-logit processing a HF model config declares (see the module docstring)."""
+    for key in _UNSUPPORTED_LOGIT_KEYS:
+        if getattr(config, key, None) not in (None, 1, 1.0):
+            raise NotImplementedError(f"{type(config).__name__}.{key}={getattr(config, key)} changes the logits after "
+                                      "lm_head and is not implemented in the chunked log-prob path")
+    scale = 1.0
+    if getattr(config, "logit_scale", None) is not None:  # Cohere
+        scale *= float(config.logit_scale)
+    if getattr(config, "logits_scaling", None) is not None:  # Granite divides
+        scale /= float(config.logits_scaling)
+    cap = getattr(config, "final_logit_softcapping", None)  # Gemma-2/3
+    return FinalLogits(scale, float(cap) if cap else None)
+
+
+def _chunk_logits(buf: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
+                  post: FinalLogits) -> Tensor:
+    """Final logits of the chunk ``h`` (projection, ``post``, temperature) written into the reused buffer ``buf``
+    (float32/64). Reusing one buffer per pass avoids allocating -- and page-faulting -- a chunk x V block per chunk."""
     out = buf[: h.shape[0]]
     if weight.dtype == out.dtype:
         torch.matmul(h, weight.T, out=out)
@@ -31,6 +68,10 @@ def _chunk_logits(buf: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, t
         out.copy_(h @ weight.T)
     if bias is not None:
         out.add_(bias)
+    if post.scale != 1.0:
+        out.mul_(post.scale)
+    if post.softcap is not None:
+        out.div_(post.softcap).tanh_().mul_(post.softcap)
     if temperature != 1.0:
         out.div_(temperature)
     return out
@@ -38,7 +79,7 @@ def _chunk_logits(buf: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, t
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, with_entropy, post):
         n, vocab = hidden.shape[0], weight.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # half precision never reaches exp/log
         logp = torch.empty(n, dtype=acc, device=hidden.device)
@@ -49,7 +90,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly by the caller
             for s in range(0, n, chunk_size):
                 e = min(n, s + chunk_size)
-                z = _chunk_logits(zbuf, hidden[s:e], weight, bias, temperature)
+                z = _chunk_logits(zbuf, hidden[s:e], weight, bias, temperature, post)
                 target_logit = z.gather(1, targets[s:e, None]).squeeze(1)
                 zmax = z.amax(dim=1, keepdim=True)
                 z.sub_(zmax)  # z' = z - max <= 0: exp cannot overflow
@@ -64,14 +105,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
         del zbuf, ebuf
         logp.clamp_(max=0.0)  # never positive (log S >= 0); the clamp only guards the last ulp
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+        ctx.chunk_size, ctx.temperature, ctx.post = chunk_size, temperature, post
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_ent):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        c, temp = ctx.chunk_size, ctx.temperature
+        c, temp, post = ctx.chunk_size, ctx.temperature, ctx.post
         n, acc = hidden.shape[0], lse.dtype
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -83,11 +124,15 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 e = min(n, s + c)
                 h, g = hidden[s:e], grad_logp[s:e].to(acc)
                 # d log p_target / d z = onehot(target) - softmax(z), times the upstream grad (and 1/temperature)
-                gz = _chunk_logits(zbuf, h, weight, bias, temp)
+                gz = _chunk_logits(zbuf, h, weight, bias, temp, post)
+                # softcap' = 1 - tanh^2 = 1 - (z T / cap)^2, taken from the final logits before they are overwritten
+                dcap = 1 - (gz * (temp / post.softcap)).square() if post.softcap is not None else None
                 gz.sub_(lse[s:e, None]).exp_().mul_(-g[:, None])
                 gz.scatter_add_(1, targets[s:e, None], g[:, None])
-                if temp != 1.0:
-                    gz.div_(temp)
+                if dcap is not None:
+                    gz.mul_(dcap)
+                if post.scale / temp != 1.0:
+                    gz.mul_(post.scale / temp)
                 gz_lo = gz if gz.dtype == hidden.dtype else gz.to(hidden.dtype)
                 if need_h:
                     torch.matmul(gz_lo, weight, out=grad_h[s:e])
@@ -99,7 +144,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 if need_b:
                     grad_b += gz.sum(0)
         return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def chunked_log_probs(
@@ -111,8 +156,10 @@ def chunked_log_probs(
     chunk_size: int = DEFAULT_CHUNK,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    post: FinalLogits = FinalLogits(),
 ) -> tuple[Tensor, Tensor | None]:
-    """``log softmax(hidden @ weight.T + bias)[target] / temperature`` per row, chunked. Returns (log_probs, entropy)."""
+    """``log softmax(post(hidden @ weight.T + bias) / temperature)[target]`` per row, chunked.
+    Returns (log_probs, entropy)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden [N, H] and weight [V, H] expected, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if targets.shape != hidden.shape[:1]:
@@ -126,17 +173,22 @@ def chunked_log_probs(
         weight = weight.to(hidden.dtype)
     if bias is not None and bias.dtype != hidden.dtype:
         bias = bias.to(hidden.dtype)
-    logp, ent = _ChunkedLogProbs.apply(hidden, weight, bias, targets.long(), chunk_size, float(temperature), with_entropy)
+    logp, ent = _ChunkedLogProbs.apply(hidden, weight, bias, targets.long(), chunk_size, float(temperature),
+                                       with_entropy, post)
     return logp, (ent if with_entropy else None)
 
 
 def naive_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Tensor | None = None,
-                    temperature: float = 1.0, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                    temperature: float = 1.0, with_entropy: bool = False,
+                    post: FinalLogits = FinalLogits()) -> tuple[Tensor, Tensor | None]:
     """Reference: materialises the full ``[N, V]`` float32 log-softmax. For tests and the memory benchmark only."""
     z = hidden @ weight.to(hidden.dtype).T
     if bias is not None:
         z = z + bias.to(hidden.dtype)
     z = z.double() if z.dtype == torch.float64 else z.float()
+    z = z * post.scale
+    if post.softcap is not None:
+        z = torch.tanh(z / post.softcap) * post.softcap
     logsm = torch.log_softmax(z / temperature, dim=-1)
     ent = -(logsm.exp() * logsm).sum(-1).detach() if with_entropy else None
     return logsm.gather(1, targets.long()[:, None]).squeeze(1), ent
@@ -166,7 +218,7 @@ def token_log_probs(
     predict = action_mask[:, 1:]  # hidden[:, t-1] predicts token t
     logp, ent = chunked_log_probs(
         hidden[:, :-1][predict], head.weight, input_ids[:, 1:][predict], bias=head.bias,
-        chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy,
+        chunk_size=chunk_size, temperature=temperature, with_entropy=with_entropy, post=final_logits_of(model.config),
     )
     out = torch.zeros(input_ids.shape, dtype=logp.dtype, device=input_ids.device)
     out[action_mask] = logp  # differentiable index_put into a fresh tensor
@@ -175,3 +227,19 @@ def token_log_probs(
     ent_out = torch.zeros_like(out)
     ent_out[action_mask] = ent
     return out, ent_out
+
+
+class TokenLogProbs(torch.nn.Module):
+    """``model`` wrapped so that :func:`token_log_probs` is this module's forward (the FSDP2 root; see the module
+    docstring). Unsharded it is a plain pass-through."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, action_mask: Tensor, *,
+                chunk_size: int = DEFAULT_CHUNK, temperature: float = 1.0,
+                with_entropy: bool = False) -> tuple[Tensor, Tensor]:
+        logp, ent = token_log_probs(self.model, input_ids, attention_mask, action_mask, chunk_size=chunk_size,
+                                    temperature=temperature, with_entropy=with_entropy)
+        return logp, ent if ent is not None else torch.zeros_like(logp)  # FSDP hooks want tensors, not None

@@ -200,6 +200,9 @@ class Trainer:
             else:
                 _, wid, eid, traj = ev
                 self.ledger.finish(eid, traj, self.step)
+                if self.ledger.failing_in_a_row >= max(16, 2 * self.cfg.batch_size):
+                    raise RuntimeError(f"the last {self.ledger.failing_in_a_row} episodes all failed, nothing can be "
+                                       f"trained; the last one: {self.ledger.last_error}")
 
     def _check_timeouts(self) -> None:
         for eid, f in self.ledger.timed_out(self.cfg.episode_timeout_s):

@@ -15,16 +15,22 @@ Contract of :func:`flashreinforce_loss` (one call sees one complete batch, or on
   caller wrote (``0.7 * 10`` keeps 7 tokens, not 8). The advantage sign plays no part; successes keep every token.
   Which rows are "failed" is the caller's decision; the :class:`~agentenv.trainer.learner.Learner` flags
   ``Trajectory.success == False`` unless configured with a reward threshold.
-* ``rho = exp(log pi - log mu)`` is detached, never clipped, and evaluated only on tokens that survive the gate and
-  the filter; an overflow there raises ``FloatingPointError``.
+* ``rho = exp(clamp(log pi - log mu, -30, 30))`` is detached and evaluated only on tokens that survive the gate and
+  the filter; the log-ratio is clamped to ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]`` before exponentiation, as the
+  reference implementation does (a numerical guard: ``exp(30)`` is finite in float32). Non-finite log-probs on policy
+  tokens are an input error (``ValueError``), never clamped.
 * ``loss = -(1/B) sum_i (1/T_i) sum_t w_it log pi_it`` with ``w = m_i A_i rho`` on kept tokens, where ``B`` and
   ``T_i`` are the ORIGINAL batch size and policy-token count. Its gradient is exactly -g_hat of the paper.
 * Half precision inputs are promoted to float32 before exponentiation; float64 stays float64.
 * Stats are detached tensors.
 
-Ablations (the paper's names): ``no_trust`` is ``delta=inf``; ``no_is=True`` sets the ratio's denominator to the
-detached current policy (``rho == 1``); ``token_mean=True`` replaces ``1/(B T_i)`` by ``1/sum_j T_j``. The GRPO
+Ablations (the paper's names; ablations only, not recommended settings): ``no_trust`` is ``delta=inf``;
+``no_is=True`` is the paper's "no IS": the ratio's denominator is the detached CURRENT policy (``rho == 1``) and the
+gate compares the current policy with itself (``D == 0``), so it admits every row ("removes both IS and trust");
+``seq_kl`` still reports the measured KL(mu || pi). ``token_mean=True`` replaces ``1/(B T_i)`` by ``1/sum_j T_j``;
+``constant_length=L`` replaces it by ``1/(B L)`` (each trajectory's token sum normalised by a constant). The GRPO
 baseline is :func:`group_advantages` (group mean, no std normalisation) + :func:`grpo_loss` (PPO-clipped token mean).
+The uniform interface the learner uses (typed results, a registry by name) is :mod:`agentenv.trainer.losses`.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch
 from torch import Tensor
 
 PROB_CLAMP = 1e-6  # p and q of the Bernoulli KL are clamped to [PROB_CLAMP, 1 - PROB_CLAMP]
+LOG_RATIO_CLAMP = 30.0  # log(pi / mu) is clamped to [-30, 30] before exp, as in the reference implementation
 
 
 @dataclass(frozen=True)
@@ -66,17 +73,21 @@ def flashreinforce_loss(
     rewards: Tensor,
     action_mask: Tensor,
     *,
-    delta: float = 3e-3,
+    delta: float = 1e-3,
     negative_token_fraction: float = 1.0,
     entropies: Tensor | None = None,
     failures: Tensor | None = None,
     no_is: bool = False,
     token_mean: bool = False,
+    constant_length: int | None = None,
     full_batch: FullBatch | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """FlashREINFORCE loss on a batch (see the module docstring for every rule). Returns ``(loss, stats)``."""
     q = negative_token_fraction
-    _validate(log_probs, behavior_log_probs, rewards, action_mask, delta, q, entropies, failures, full_batch)
+    _check_rows(log_probs, behavior_log_probs, rewards, action_mask, per_row_name="rewards")
+    _check_options(delta=delta, q=q, token_mean=token_mean, constant_length=constant_length)
+    _check_filter_inputs(log_probs, action_mask, q=q, entropies=entropies, failures=failures)
+    _check_full_batch(full_batch, rows=log_probs.shape[0])
     full = full_batch if full_batch is not None else FullBatch.of(rewards, action_mask)
     mask = action_mask
     dtype = torch.float64 if log_probs.dtype == torch.float64 else torch.float32  # half -> float32 before exp
@@ -87,19 +98,21 @@ def flashreinforce_loss(
         behavior = torch.where(mask, behavior_log_probs.to(dtype), 0.0)
         policy_tokens = mask.sum(dim=1)  # T_i, before the gate or the filter remove anything
         advantages = (rewards.double() - full.reward_mean).to(dtype)
-        seq_kl = sequence_kl(logp.detach(), behavior, mask)
-        admitted = seq_kl <= delta  # one decision per trajectory; D = delta admits
+        seq_kl = sequence_kl(logp.detach(), behavior, mask)  # measured KL(mu || pi), reported in every mode
+        # no_is: the gate compares pi with itself (D = 0), so it admits every row
+        admitted = torch.ones_like(seq_kl, dtype=torch.bool) if no_is else seq_kl <= delta  # D = delta admits
         keep = mask & admitted[:, None]
         if q < 1.0:
             keep &= ~failures[:, None] | top_entropy_mask(entropies, mask, q)
         if no_is:
             ratio = keep.to(dtype)  # pi / stopgrad(pi): value 1, gradient of log pi
         else:
-            ratio = torch.where(keep, torch.exp(torch.where(keep, logp.detach() - behavior, 0.0)), 0.0)
-            if not bool(torch.isfinite(ratio).all()):
-                raise FloatingPointError("importance ratio overflowed on an admitted token (log pi - log mu too large)")
+            log_ratio = torch.where(keep, logp.detach() - behavior, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            ratio = torch.where(keep, torch.exp(log_ratio), 0.0)
         if token_mean:
             denom = torch.full_like(advantages, float(full.num_policy_tokens))
+        elif constant_length is not None:
+            denom = torch.full_like(advantages, float(full.num_trajectories * constant_length))
         else:
             denom = full.num_trajectories * policy_tokens.to(dtype)  # B * T_i: original sizes
         weights = advantages[:, None] * ratio / denom[:, None]  # zero wherever a token was not kept
@@ -133,7 +146,9 @@ def sequence_kl(log_probs: Tensor, behavior_log_probs: Tensor, action_mask: Tens
     q = log_probs.detach().double().exp().clamp(PROB_CLAMP, 1 - PROB_CLAMP)
     d = p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
     d = torch.where(action_mask, d, 0.0)
-    return (d.sum(dim=1) / action_mask.sum(dim=1)).clamp_min(0.0)
+    # a sequential row sum (cumsum's last column), not sum(): a vectorised sum's order depends on the row width, so
+    # padding a batch with masked columns could move D by an ulp and flip a gate decision at D == delta
+    return (d.cumsum(dim=1)[:, -1] / action_mask.sum(dim=1)).clamp_min(0.0)
 
 
 def top_entropy_mask(entropies: Tensor, action_mask: Tensor, fraction: float) -> Tensor:
@@ -147,7 +162,9 @@ def top_entropy_mask(entropies: Tensor, action_mask: Tensor, fraction: float) ->
     return action_mask & (rank < k[:, None])
 
 
-def _validate(log_probs, behavior_log_probs, rewards, action_mask, delta, q, entropies, failures, full_batch) -> None:
+def _check_rows(log_probs: Tensor, behavior_log_probs: Tensor, per_row: Tensor, action_mask: Tensor, *,
+                per_row_name: str = "rewards") -> None:
+    """Shapes, dtypes and finiteness of the tensors every loss takes: ``[B, T]`` log-probs and mask, ``[B]`` rows."""
     if log_probs.dim() != 2:
         raise ValueError(f"log_probs must be [B, T], got shape {tuple(log_probs.shape)}")
     shape = tuple(log_probs.shape)
@@ -156,8 +173,8 @@ def _validate(log_probs, behavior_log_probs, rewards, action_mask, delta, q, ent
     for name, t in (("behavior_log_probs", behavior_log_probs), ("action_mask", action_mask)):
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)} but log_probs has {shape}")
-    if tuple(rewards.shape) != shape[:1]:
-        raise ValueError(f"rewards must have shape ({shape[0]},), got {tuple(rewards.shape)}")
+    if tuple(per_row.shape) != shape[:1]:
+        raise ValueError(f"{per_row_name} must have shape ({shape[0]},), got {tuple(per_row.shape)}")
     if action_mask.dtype != torch.bool:
         raise ValueError(f"action_mask must be a boolean tensor, got {action_mask.dtype}")
     if not (log_probs.is_floating_point() and behavior_log_probs.is_floating_point()):
@@ -165,18 +182,31 @@ def _validate(log_probs, behavior_log_probs, rewards, action_mask, delta, q, ent
     empty = (~action_mask.any(dim=1)).nonzero().flatten().tolist()
     if empty:
         raise ValueError(f"rows {empty} have no policy token (action_mask all False)")
-    if not bool(torch.isfinite(rewards.double()).all()):
-        raise ValueError(f"rewards must be finite, got {rewards.tolist()}")
+    if not bool(torch.isfinite(per_row.double()).all()):
+        raise ValueError(f"{per_row_name} must be finite, got {per_row.tolist()}")
     for name, t in (("log_probs", log_probs), ("behavior_log_probs", behavior_log_probs)):
         v = t.detach()[action_mask]
         if not bool(torch.isfinite(v).all()):
             raise ValueError(f"{name} has non-finite values on policy tokens")
         if bool((v > 0).any()):
             raise ValueError(f"{name} has positive values on policy tokens (max {v.max().item()}); log-probs are <= 0")
+
+
+def _check_options(*, delta: float, q: float, token_mean: bool, constant_length: int | None) -> None:
     if not isinstance(delta, (int, float)) or math.isnan(delta) or delta < 0:
         raise ValueError(f"delta must be >= 0 (inf turns the gate off), got {delta}")
     if not isinstance(q, (int, float)) or not (0.0 <= q <= 1.0):
         raise ValueError(f"negative_token_fraction must be in [0, 1], got {q}")
+    if constant_length is not None:
+        if isinstance(constant_length, bool) or not isinstance(constant_length, int) or constant_length < 1:
+            raise ValueError(f"constant_length must be a positive int (or None), got {constant_length!r}")
+        if token_mean:
+            raise ValueError("token_mean and constant_length are two different normalisations: choose one")
+
+
+def _check_filter_inputs(log_probs: Tensor, action_mask: Tensor, *, q: float, entropies: Tensor | None,
+                         failures: Tensor | None) -> None:
+    shape = tuple(log_probs.shape)
     if q < 1.0 and (entropies is None or failures is None):
         raise ValueError("negative_token_fraction < 1 filters failed rows by entropy: pass entropies and failures")
     if entropies is not None:
@@ -187,8 +217,11 @@ def _validate(log_probs, behavior_log_probs, rewards, action_mask, delta, q, ent
     if failures is not None and (failures.dtype != torch.bool or tuple(failures.shape) != shape[:1]):
         raise ValueError(f"failures must be a boolean tensor of shape ({shape[0]},), got {failures.dtype} "
                          f"{tuple(failures.shape)}")
-    if full_batch is not None and (full_batch.num_trajectories < shape[0] or full_batch.num_policy_tokens < 1):
-        raise ValueError(f"full_batch {full_batch} cannot contain this {shape[0]}-row micro-batch")
+
+
+def _check_full_batch(full_batch: FullBatch | None, *, rows: int) -> None:
+    if full_batch is not None and (full_batch.num_trajectories < rows or full_batch.num_policy_tokens < 1):
+        raise ValueError(f"full_batch {full_batch} cannot contain this {rows}-row micro-batch")
 
 
 # --- GRPO baseline (for side-by-side comparisons) -----------------------------------------------------------------
@@ -222,7 +255,7 @@ def grpo_loss(
     """PPO-clipped token-mean loss with the behavior policy as the old policy:
     ``-(1/N) sum min(rho A, clip(rho, 1-eps, 1+eps) A)``, ``rho`` NOT detached. ``N`` defaults to this call's
     policy-token count; pass the whole batch's when this call sees one micro-batch."""
-    _validate(log_probs, behavior_log_probs, advantages, action_mask, math.inf, 1.0, None, None, None)
+    _check_rows(log_probs, behavior_log_probs, advantages, action_mask, per_row_name="advantages")
     if not clip_eps > 0:
         raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
     mask = action_mask

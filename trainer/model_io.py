@@ -1,0 +1,60 @@
+"""The learner's model on disk: loading in float32 master precision, and saving a Hugging Face model directory.
+
+Contract:
+
+* :func:`load_learner_model` loads a causal LM directory (offline) with float32 weights whatever its stored dtype or
+  ``model.dtype`` say: the learner's master weights and AdamW state are float32; ``model.dtype`` is the compute dtype
+  (see :class:`~agentenv.trainer.learner.Learner`).
+* :func:`save_pretrained` writes ``out_dir`` as a Hugging Face model directory -- ``config.json`` (dtype float32),
+  ``generation_config.json``, float32 safetensors weights from the given full state dict, and the tokenizer of
+  ``source`` when it has one -- loadable by ``AutoModelForCausalLM.from_pretrained`` (and so by vLLM and
+  ``agentenv run --model DIR``). The write goes to a temporary sibling directory renamed into place, so a reader sees
+  a complete directory or none; an existing ``out_dir`` is replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def load_learner_model(path: str | os.PathLike):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
+
+
+def save_pretrained(model, state_dict: dict[str, torch.Tensor], out_dir: str | os.PathLike, *,
+                    source: str | os.PathLike | None = None) -> Path:
+    """Write ``state_dict`` (full, float32) as ``model``'s HF directory at ``out_dir`` (see the module docstring)."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        state = {k: v.detach().to("cpu", torch.float32) if v.is_floating_point() else v.detach().cpu()
+                 for k, v in state_dict.items()}
+        model.config.dtype = torch.float32  # what the weights are; config.json says so
+        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if source is not None:
+            _copy_tokenizer(source, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _copy_tokenizer(source, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    except (OSError, ValueError) as e:  # a model directory without a tokenizer: say so, do not invent one
+        raise FileNotFoundError(f"no tokenizer to copy at {source}: {e}") from e
+    tok.save_pretrained(out)
