@@ -61,6 +61,8 @@ VERBATIM_PROBES = (
     "{{ not jinja }} {% raw %}",
     "&lt;b&gt; <b>",
 )
+
+
 def _m(role: str, content: str) -> dict:
     return {"role": role, "content": content}
 
@@ -127,7 +129,7 @@ class ChatSequence:
         self.tools: list[dict] | None = None
         self._parts: list[str] = []  # the (marked) template text the sequence stands for, in pieces
         self._verified: dict[str, int] = {}
-        self._verbatim: dict[str, bool] = {}
+        self._probed: dict[str, bool] = {}  # shortcut checks on probes, per role, computed once
         self._tails: dict[str, str] = {}
         self._close: str | None = None
         self._closed = 0  # characters of the assistant closing text the last sampled turn already covers
@@ -326,7 +328,7 @@ class ChatSequence:
         a template that strips earlier reasoning or moves a block (e.g. a tool list before the last user message)
         fails here and never gets the shortcut."""
         key = "history:" + role
-        if key not in self._verbatim:
+        if key not in self._probed:
             ok = True
             try:
                 close = self._assistant_close()
@@ -339,13 +341,13 @@ class ChatSequence:
                         break
             except Exception:  # noqa: BLE001 -- a template that cannot render a probe gets no shortcut
                 ok = False
-            self._verbatim[key] = ok
-        return self._verbatim[key]
+            self._probed[key] = ok
+        return self._probed[key]
 
     def _renders_verbatim(self, role: str) -> bool:
         """Does the template put a ``role`` message's content into its output unchanged? Checked with
         :data:`VERBATIM_PROBES` plus a control-string marker, against the same fixed history the local delta uses."""
-        if role not in self._verbatim:
+        if role not in self._probed:
             probes = list(VERBATIM_PROBES) + ([self._controls[0] + " x " + self._controls[-1]] if self._controls else [])
             history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _ASSISTANT_SENTINEL}]
             ok = True
@@ -359,5 +361,5 @@ class ChatSequence:
                         break
             except Exception:  # noqa: BLE001 -- a template that fails on a probe gets no shortcut
                 ok = False
-            self._verbatim[role] = ok
-        return self._verbatim[role]
+            self._probed[role] = ok
+        return self._probed[role]
