@@ -23,9 +23,12 @@ and the earlier rendering must be an exact prefix of the later one ("append-only
 from a fixed short history with the content substituted for a sentinel, is used only where it provably matches:
 (1) the template renders every message content verbatim -- checked once per sequence and role with adversarial
 probes (leading / trailing whitespace and newlines, tabs, unicode that NFC-normalises, text that looks like a control
-token, Jinja syntax); a template that trims, escapes or rewrites contents never gets the shortcut; and (2) the first
-``VERIFY_TURNS`` real deltas of that role in the episode equalled the local delta (any mismatch disables it for
-good).
+token, Jinja syntax); a template that trims, escapes or rewrites contents never gets the shortcut; (2) adding a
+message of that role to each of :data:`PROBE_HISTORIES` (reasoning blocks, edge newlines, tool turns, several user
+turns) leaves the earlier rendering untouched and appends exactly the fixed tail -- a template that strips earlier
+reasoning or moves a block never gets the shortcut; and (3) the first ``VERIFY_TURNS`` real deltas of that role in
+the episode equalled the local delta (any mismatch disables it for good). These are checks on probes, not a proof
+about arbitrary Jinja; the property test in ``tests/test_chat_templates.py`` holds them to four template families.
 
 **Stop tokens.** A sampled turn may end on any stop id (vLLM stops on every ``generation_config`` eos id, e.g.
 ``<|endoftext|>`` where the template closes turns with ``<|im_end|>``). The sampled stop token is kept verbatim; if its
@@ -57,6 +60,21 @@ VERBATIM_PROBES = (
     "e\u0301 \ufb01 \u212b",  # combining accent, ligature, Angstrom sign: each changes under NFC / NFKC
     "{{ not jinja }} {% raw %}",
     "&lt;b&gt; <b>",
+)
+
+
+def _m(role: str, content: str) -> dict:
+    return {"role": role, "content": content}
+
+
+# Histories (each ending with an assistant turn) on which a template must append a new message without touching what
+# it rendered before, for the short-history shortcut to be allowed.
+PROBE_HISTORIES = (
+    [_m("user", "x"), _m("assistant", "y")],
+    [_m("user", "x"), _m("assistant", "<think>\nplan\n</think>\n\nanswer")],
+    [_m("system", "s"), _m("user", "x"), _m("assistant", "\n\nlead"), _m("tool", "t"),
+     _m("assistant", "<think>p</think>z  ")],
+    [_m("user", "x"), _m("assistant", "<think>a</think>y"), _m("user", "z"), _m("assistant", "<think>p</think>w")],
 )
 _ASSISTANT_SENTINEL = "\u2063AGENTENV-ASSISTANT\u2063"
 _MESSAGE_SENTINEL = "\u2063AGENTENV-MESSAGE\u2063"
@@ -111,7 +129,7 @@ class ChatSequence:
         self.tools: list[dict] | None = None
         self._parts: list[str] = []  # the (marked) template text the sequence stands for, in pieces
         self._verified: dict[str, int] = {}
-        self._verbatim: dict[str, bool] = {}
+        self._probed: dict[str, bool] = {}  # shortcut checks on probes, per role, computed once
         self._tails: dict[str, str] = {}
         self._close: str | None = None
         self._closed = 0  # characters of the assistant closing text the last sampled turn already covers
@@ -263,7 +281,10 @@ class ChatSequence:
         if role not in self._tails:
             history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _ASSISTANT_SENTINEL},
                        {"role": role, "content": _MESSAGE_SENTINEL}]
-            full = self._render_raw(history, generation_prompt=True)
+            try:
+                full = self._render_raw(history, generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 -- e.g. a template that insists on its own history shape
+                raise TemplateNotAppendOnly(f"the chat template cannot render the short history: {e}") from e
             at, msg = full.find(_ASSISTANT_SENTINEL), full.find(_MESSAGE_SENTINEL)
             if msg < 0 or full.count(_MESSAGE_SENTINEL) != 1:
                 raise TemplateNotAppendOnly("cannot locate a per-message delta in this chat template's output")
@@ -280,8 +301,11 @@ class ChatSequence:
     def _assistant_close(self) -> str:
         """The template's text after the content of a final assistant turn (e.g. ``<|im_end|>\\n``)."""
         if self._close is None:
-            full = self._render_raw([{"role": "user", "content": "x"}, {"role": "assistant", "content": _ASSISTANT_SENTINEL}],
-                                    generation_prompt=False)
+            try:
+                full = self._render_raw([{"role": "user", "content": "x"},
+                                         {"role": "assistant", "content": _ASSISTANT_SENTINEL}], generation_prompt=False)
+            except Exception:  # noqa: BLE001 -- no closing text known: stop tokens then count as outside the template
+                full = ""
             at = full.find(_ASSISTANT_SENTINEL)
             self._close = full[at + len(_ASSISTANT_SENTINEL):] if at >= 0 and full.count(_ASSISTANT_SENTINEL) == 1 else ""
         return self._close
@@ -295,12 +319,35 @@ class ChatSequence:
         return self._tail(role).replace(_MESSAGE_SENTINEL, self.escape(content))[self._closed:]
 
     def _local_ok(self, role: str) -> bool:
-        return self._verified.get(role, 0) >= VERIFY_TURNS and self._renders_verbatim(role)
+        return self._verified.get(role, 0) >= VERIFY_TURNS and self._renders_verbatim(role) \
+            and self._appends_per_message(role)
+
+    def _appends_per_message(self, role: str) -> bool:
+        """Does adding a ``role`` message leave the rendering of any history untouched and append exactly the fixed
+        tail? Checked on :data:`PROBE_HISTORIES` (reasoning blocks, edge newlines, tool turns, several user turns):
+        a template that strips earlier reasoning or moves a block (e.g. a tool list before the last user message)
+        fails here and never gets the shortcut."""
+        key = "history:" + role
+        if key not in self._probed:
+            ok = True
+            try:
+                close = self._assistant_close()
+                tail = self._tail(role).replace(_MESSAGE_SENTINEL, "probe")
+                for history in PROBE_HISTORIES:
+                    before = self._render_raw(history, generation_prompt=False)
+                    full = self._render_raw(history + [{"role": role, "content": "probe"}], generation_prompt=True)
+                    if not before.endswith(close) or full != before[:len(before) - len(close)] + tail:
+                        ok = False
+                        break
+            except Exception:  # noqa: BLE001 -- a template that cannot render a probe gets no shortcut
+                ok = False
+            self._probed[key] = ok
+        return self._probed[key]
 
     def _renders_verbatim(self, role: str) -> bool:
         """Does the template put a ``role`` message's content into its output unchanged? Checked with
         :data:`VERBATIM_PROBES` plus a control-string marker, against the same fixed history the local delta uses."""
-        if role not in self._verbatim:
+        if role not in self._probed:
             probes = list(VERBATIM_PROBES) + ([self._controls[0] + " x " + self._controls[-1]] if self._controls else [])
             history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _ASSISTANT_SENTINEL}]
             ok = True
@@ -312,7 +359,7 @@ class ChatSequence:
                             self._tail(role).replace(_MESSAGE_SENTINEL, self.escape(probe)):
                         ok = False
                         break
-            except TemplateNotAppendOnly:
+            except Exception:  # noqa: BLE001 -- a template that fails on a probe gets no shortcut
                 ok = False
-            self._verbatim[role] = ok
-        return self._verbatim[role]
+            self._probed[role] = ok
+        return self._probed[role]

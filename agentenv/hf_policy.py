@@ -42,8 +42,10 @@ class HFPolicy:
         self.max_batch_size = max_batch_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._lock = threading.Lock()
-        eos = tokenizer.eos_token_id
-        self.stop_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        # Stop on the tokenizer's eos and every generation_config eos id, as vLLM does (e.g. Qwen2.5-Instruct:
+        # <|im_end|> and <|endoftext|>); agentenv.chat closes a turn correctly whichever of them was sampled.
+        self.stop_ids = _ids(tokenizer.eos_token_id) | _ids(getattr(getattr(model, "generation_config", None),
+                                                                    "eos_token_id", None))
         if not self.stop_ids:
             raise ValueError("tokenizer has no eos_token_id: the end-of-turn token is needed to stop a turn")
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.stop_ids))
@@ -139,6 +141,10 @@ class HFPolicy:
                        entropies=ents[i] if reqs[i].return_entropy else None)
             for i in range(n)
         ]
+
+
+def _ids(x) -> set[int]:
+    return {x} if isinstance(x, int) else {int(i) for i in (x or [])}
 
 
 def _key(r: GenerationRequest) -> tuple:

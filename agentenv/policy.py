@@ -13,6 +13,12 @@ A policy turns token-id prompts into sampled continuations. Contract for every b
   at each sampled position.
 * ``policy_version`` is the version of the weights that produced every token of this generation.
 
+* ``backend`` (optional class attribute) names the sampler: ``"hf"`` (:class:`agentenv.hf_policy.HFPolicy`),
+  ``"vllm"``; the runtime records it in every trajectory's ``sampling["backend"]`` (``"text"`` for a
+  :class:`TextPolicy`, ``"unknown"`` for a token-level policy that does not set it).
+* A turn stops on any of the sampler's stop ids; ``agentenv.chat`` closes the turn the way the chat template does
+  whichever stop id was sampled.
+
 Policies never see chat messages: the runtime owns the token sequence (see :mod:`agentenv.chat`).
 """
 

@@ -255,3 +255,21 @@ def test_reasoning_stripping_template_records_a_segment_or_raises():
             n = len(seq)
             seq.add_message("user", "next")
             assert seq.segments == [0, n]
+
+
+def test_reasoning_stripping_is_never_hidden_by_the_shortcut():
+    # Found by the property test: two plain user turns verified the shortcut, then a turn with reasoning was
+    # stripped by the template on the next user message while the short-history delta did not see it.
+    tok = family_tokenizer("qwen3")
+    stop = tok.convert_tokens_to_ids("<|im_end|>")
+    seq = ChatSequence(tok, on_rewrite="segment")
+    seq.start([{"role": "user", "content": "q"}])
+    hows = []
+    for text in ("a", "b", "<think>plan</think>c", "d"):
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [stop]
+        seq.add_sampled(Generation(ids, [-1.0] * len(ids), "stop"))
+        d = seq.delta_for("user", "next")
+        hows.append(d.how)
+        seq.add_message("user", "next", d)
+    # once the history was rewritten, every later delta is a recorded per-message segment too
+    assert hows == ["checked", "checked", "segment", "segment"] and len(seq.segments) == 3

@@ -114,3 +114,16 @@ def test_load_weights_is_strict_and_keeps_the_version_on_mismatch(tiny_policy):
     p.load_weights({k: v for k, v in good.items() if "lm_head" not in k}, version=v0 + 7)
     assert p.policy_version == v0 + 7
     assert p.backend == "hf"
+
+
+def test_stop_ids_include_every_generation_config_eos(tiny_policy):
+    import copy
+
+    from agentenv.hf_policy import HFPolicy
+
+    model = copy.deepcopy(tiny_policy.model)
+    tok = tiny_policy.tokenizer
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    model.generation_config.eos_token_id = [tok.eos_token_id, eot]
+    assert HFPolicy(model, tok).stop_ids == {tok.eos_token_id, eot}
+    assert tiny_policy.stop_ids == {tok.eos_token_id}

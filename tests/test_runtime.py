@@ -109,6 +109,7 @@ def test_text_policy_runs_through_the_same_loop():
 
     t = run_episode(GuessNumberEnv(max_turns=6), BinarySearch(), cfg(), Task(seed=11))
     assert t.success and t.finish_reason == "done" and t.token_ids == [] and t.model == "bisect"
+    assert t.sampling["backend"] == "text"
 
 
 def test_episodes_do_not_wait_for_each_other(qwen_tok):
