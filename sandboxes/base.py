@@ -11,6 +11,8 @@ Contract:
   which behave like notebook cells (a trailing expression is echoed with its repr; ``sys.exit`` ends only the cell).
   A call that times out or kills the interpreter (crash, ``os._exit``, CPU limit) kills the tree and starts a fresh
   interpreter at once; that call's result has ``session_restarted=True``: every earlier definition is gone.
+  Between cells the interpreter's whole tree is frozen where the backend can (a cgroup freezer): a thread left
+  running by a cell gets no CPU until the next cell starts.
   ``run(limits=...)`` on a session may change ``timeout_s``, ``cpu_s`` and ``max_output_bytes`` per call; the
   process-wide limits are fixed when the interpreter starts.
 * Sessions die with ``close()``, with their sandbox's ``close()``, when garbage-collected, and at interpreter exit.
@@ -35,9 +37,10 @@ _PER_CALL = {"timeout_s", "cpu_s", "max_output_bytes"}
 
 
 def runner_args(mode: str, limits: Limits) -> list[str]:
-    """The runner's argv after ``-c SOURCE``: mode, address space, CPU seconds, processes, largest file (bytes)."""
+    """The runner's argv after ``-c SOURCE``: mode, address space, CPU seconds, processes, largest file (bytes),
+    open files."""
     return [mode, str(limits.memory_mb << 20), str(math.ceil(limits.cpu_s)), str(limits.max_processes),
-            str(limits.max_file_mb << 20)]
+            str(limits.max_file_mb << 20), str(limits.max_open_files)]
 
 
 def _check_code(code) -> bytes:
@@ -52,9 +55,10 @@ def _cell(code: str, nonce: bytes, limits: Limits) -> bytes:
 
 
 def _result(out: Sink, err: Sink, code, timed_out, exc: bytes, proc, started, backend) -> ExecResult:
+    oom = proc.oom_killed  # read every time: a cgroup reports each OOM kill once
     return ExecResult(
         stdout=out.text(), stderr=err.text(), exit_code=code, timed_out=timed_out,
-        memory_exceeded=exc == b"MemoryError" or proc.oom_killed,
+        memory_exceeded=exc == b"MemoryError" or oom,
         cpu_exceeded=code == 128 + signal.SIGXCPU,
         output_truncated=bool(out.dropped or err.dropped),
         wall_time_s=time.monotonic() - started, backend=backend)
@@ -165,8 +169,13 @@ class Session:
             deadline = started + limits.timeout_s
             tag = b"\0\x1eAE" + nonce
             out, err = Sink(limits.max_output_bytes, tag), Sink(limits.max_output_bytes, tag)
+            thaw = getattr(proc, "thaw", None)
+            if thaw is not None:
+                thaw()
             state = pump(proc, payload, deadline, out, err, stop_on_markers=True)
             if state == "done":
+                if thaw is not None:
+                    proc.freeze()  # no CPU for threads the cell left behind until the next cell
                 _, code, exc = out.status.split(b":", 2) if out.status.count(b":") >= 2 else (b"", b"1", b"")
                 return _result(out, err, int(code) if code.isdigit() else 1, False, exc, proc, started,
                                self.sandbox.name)
