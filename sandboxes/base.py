@@ -6,7 +6,8 @@ Contract:
   (``rfds``/``wfd``/``read``/``write``/``wait``/``kill``/``oom_killed``, see :mod:`agentenv.sandboxes.process`)
   running :mod:`agentenv.sandboxes._runner` in ``mode`` ``"once"`` or ``"session"``.
 * ``Sandbox.run(code)`` starts a fresh process per call, runs ``code`` like ``python file.py`` and always kills the
-  whole tree before returning.
+  whole tree before returning. ``timeout_s`` and ``wall_time_s`` count from the moment the process was started
+  (bubblewrap: ~15 ms before; a container engine: up to seconds).
 * ``Sandbox.session()`` returns a :class:`Session`: one interpreter whose globals survive between ``run`` calls,
   which behave like notebook cells (a trailing expression is echoed with its repr; ``sys.exit`` ends only the cell).
   A call that times out or kills the interpreter (crash, ``os._exit``, CPU limit) kills the tree and starts a fresh
@@ -89,11 +90,11 @@ class Sandbox:
         limits = self._limits(limits)
         nonce = secrets.token_hex(8).encode()
         payload = _cell(code, nonce, limits)
-        started = time.monotonic()
-        deadline = started + limits.timeout_s
         tag = b"\0\x1eAE" + nonce
         out, err = Sink(limits.max_output_bytes, tag), Sink(limits.max_output_bytes, tag)
         proc = self._start("once", limits)
+        started = time.monotonic()  # the code's time starts now: a slow engine's container start is not its fault
+        deadline = started + limits.timeout_s
         try:
             state = pump(proc, payload, deadline, out, err, stop_on_markers=False)
             code = proc.wait(deadline - time.monotonic()) if state == "eof" else None

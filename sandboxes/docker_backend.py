@@ -1,11 +1,18 @@
 """The ``docker`` backend: one container per fresh run or session, driven through the Docker SDK for Python.
 
-Each container gets ``network_mode=none``, a memory cgroup limit with no extra swap, a CPU quota (``cpus``), a pids
+Each container gets an init process (``init=True``: the runner is not PID 1, which would ignore the kernel's
+SIGXCPU and so the CPU limit), ``network_mode=none``, a memory cgroup limit with no extra swap, a CPU quota (``cpus``), a pids
 limit (``Limits.max_processes``, the per-container process cap; the runner's RLIMIT_NPROC is left open here
 because without user namespaces it would count every container's processes of the same uid), a read-only root,
 a size-capped tmpfs ``/tmp`` (``Limits.disk_mb``) as the only writable place, ``no-new-privileges``, all
 capabilities dropped, an unprivileged user (65534 by default), no logging driver (output only travels over the
-attach stream, capped by the host) and an empty environment. The image is configurable and needs a ``python3``.
+attach stream, capped by the host) and an empty environment. Docker's default seccomp profile stays on (it denies
+namespaces, mounts, the keyring, ptrace, bpf ... like :mod:`.seccomp_filter`); the memory cgroup counts shared memory
+and tmpfs, and the container's ``OOMKilled`` sets ``memory_exceeded``.
+
+The image is configurable and needs a ``python3``. By default: ``$AGENTENV_DOCKER_IMAGE`` if set, else the first of
+:data:`DEFAULT_IMAGES` the engine already has (``scripts/ci_docker.sh`` builds ``agentenv-python:3.11`` offline
+from the host's interpreter), else ``python:3.11-slim`` (which the engine then pulls).
 
 Code and output travel over one attach socket (Docker multiplexes stdout/stderr in 8-byte-header frames, decoded
 by :func:`demux`). Killing = ``remove(force=True)``, which takes every process in the container with it.
@@ -14,6 +21,7 @@ Containers carry the label ``agentenv.sandbox=1`` so leftovers from a crashed ho
 
 from __future__ import annotations
 
+import os
 import select
 import struct
 
@@ -22,6 +30,20 @@ from agentenv.sandboxes.limits import Limits
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 LABEL = "agentenv.sandbox"
+DEFAULT_IMAGES = ("python:3.11-slim", "agentenv-python:3.11")
+
+
+def default_image(client) -> str:
+    """``$AGENTENV_DOCKER_IMAGE``, else the first of :data:`DEFAULT_IMAGES` present locally, else the first one."""
+    if os.environ.get("AGENTENV_DOCKER_IMAGE"):
+        return os.environ["AGENTENV_DOCKER_IMAGE"]
+    for name in DEFAULT_IMAGES:
+        try:
+            client.images.get(name)
+            return name
+        except Exception:  # docker.errors.ImageNotFound, or an API error: try the next one
+            continue
+    return DEFAULT_IMAGES[0]
 
 
 def demux(buf: bytearray) -> list[tuple[int, bytes]]:
@@ -45,7 +67,7 @@ def container_config(image: str, python: str, mode: str, limits: Limits, cpus: f
     args = runner_args(mode, limits.replace(max_processes=1 << 20))  # pids_limit is the process cap here
     return dict(
         image=image, command=[python, "-S", "-I", "-c", RUNNER_SOURCE, *args], stdin_open=True, tty=False,
-        detach=True, network_mode="none", mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
+        detach=True, init=True, network_mode="none", mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
         nano_cpus=int(cpus * 1e9), pids_limit=limits.max_processes, read_only=True,
         tmpfs={"/tmp": f"rw,nosuid,nodev,size={limits.disk_mb}m,mode=1777"},
         security_opt=["no-new-privileges"], cap_drop=["ALL"], user=user, working_dir="/tmp",
@@ -117,7 +139,7 @@ class DockerProc:
 class DockerSandbox(Sandbox):
     name = "docker"
 
-    def __init__(self, limits: Limits | None = None, *, image: str = "python:3.11-slim", python: str = "python3",
+    def __init__(self, limits: Limits | None = None, *, image: str | None = None, python: str = "python3",
                  cpus: float = 1.0, user: str = "65534:65534", client=None):
         super().__init__(limits)
         try:
@@ -127,11 +149,12 @@ class DockerSandbox(Sandbox):
         if not cpus > 0:
             raise ValueError(f"cpus must be > 0, got {cpus!r}")
         try:
-            self.client = client or docker.from_env(timeout=10)
+            self.client = client or docker.from_env(timeout=120)  # a vfs engine under load can take seconds per call
             self.client.ping()
         except Exception as e:
             raise RuntimeError(f"docker backend: no Docker engine answers ({type(e).__name__}: {e})") from None
-        self.image, self.python, self.cpus, self.user = image, python, cpus, user
+        self.image = image or default_image(self.client)
+        self.python, self.cpus, self.user = python, cpus, user
 
     def _start(self, mode: str, limits: Limits) -> DockerProc:
         return DockerProc(self.client, container_config(self.image, self.python, mode, limits, self.cpus, self.user))

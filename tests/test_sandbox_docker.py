@@ -1,5 +1,8 @@
-"""Docker backend: its hardening and stream decoding are checked offline; live runs need a Docker engine."""
+"""Docker backend: its hardening and stream decoding are checked offline; live runs need a Docker engine and a
+local Python image (``scripts/ci_docker.sh`` starts Debian's engine and builds one offline) and skip, saying why,
+without them."""
 
+import os
 import struct
 
 import pytest
@@ -7,7 +10,8 @@ import pytest
 from agentenv.sandboxes import Limits, make_sandbox
 
 docker = pytest.importorskip("docker", reason="the Docker SDK is not installed (pip install docker)")
-from agentenv.sandboxes.docker_backend import LABEL, container_config, demux  # noqa: E402
+from agentenv.sandboxes.attacks import ATTACKS, LIMITS, Target, judge  # noqa: E402
+from agentenv.sandboxes.docker_backend import LABEL, container_config, default_image, demux  # noqa: E402
 
 
 def _engine_error():
@@ -16,6 +20,27 @@ def _engine_error():
         return None
     except Exception as e:  # noqa: BLE001 - any failure means "no engine"
         return f"{type(e).__name__}: {e}"
+
+
+def _live_error():
+    """Why live Docker tests cannot run here, or None."""
+    why = _engine_error()
+    if why:
+        return f"no Docker engine answers ({why})"
+    client = docker.from_env(timeout=30)
+    image = default_image(client)
+    try:
+        client.images.get(image)
+    except Exception as e:  # noqa: BLE001 - ImageNotFound or an API error
+        return f"the image {image!r} is not present and no registry may be reachable: run scripts/ci_docker.sh ({e})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def live():
+    why = _live_error()
+    if why:
+        pytest.skip(why)
 
 
 def test_container_config_is_hardened():
@@ -28,6 +53,7 @@ def test_container_config_is_hardened():
     assert c["environment"]["HOME"] == "/tmp" and "SECRET" not in str(c["environment"])
     assert c["command"][:3] == ["python3", "-S", "-I"] and c["command"][5] == "session-mux"
     assert c["labels"] == {LABEL: "1"} and c["stdin_open"] and not c["tty"]
+    assert c["init"]  # the runner is not PID 1, which would ignore the kernel's SIGXCPU
 
 
 def test_demux_decodes_split_frames():
@@ -48,10 +74,7 @@ def test_no_engine_gives_a_clear_error():
 
 
 @pytest.mark.docker
-def test_live_docker_run_and_session():
-    why = _engine_error()
-    if why:
-        pytest.skip(f"no Docker engine answers ({why})")
+def test_live_docker_run_and_session(live):
     with make_sandbox("docker", limits=Limits(timeout_s=60)) as sb:
         r = sb.run("import os, socket\nprint(os.getuid())\ntry:\n    socket.create_connection(('1.1.1.1', 53), 2)\n"
                    "    print('net')\nexcept OSError:\n    print('no net')")
@@ -61,3 +84,36 @@ def test_live_docker_run_and_session():
             assert s.run("x + 22").stdout == "42\n"
             r = s.run("import time; time.sleep(30)", Limits(timeout_s=1))
             assert r.timed_out and r.session_restarted
+
+
+@pytest.fixture(scope="module")
+def docker_sandbox(live):
+    with make_sandbox("docker", limits=LIMITS) as sb:
+        yield sb
+
+
+@pytest.fixture(scope="module")
+def target():
+    t = Target(secret_dir="/root" if os.access("/root", os.W_OK) else None)
+    yield t
+    t.close()
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.name)
+def test_live_docker_contains_every_attack(docker_sandbox, target, attack):
+    v = judge(docker_sandbox, attack, target)
+    assert v.contained, f"{attack.guarantee}: {v.problems}\nstdout: {v.result.stdout[:500]}"
+
+
+@pytest.mark.docker
+def test_live_docker_leaves_no_container_behind(live):
+    client = docker.from_env(timeout=30)
+    with make_sandbox("docker", limits=LIMITS) as sb:
+        with sb.session() as s:
+            s.run("x = 1")
+            cid = s._proc.container.id
+        r = sb.run("import time; time.sleep(30)", LIMITS.replace(timeout_s=0.5))
+    assert r.timed_out
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(cid)
