@@ -6,9 +6,10 @@ limit (``Limits.max_processes``, the per-container process cap; the runner's RLI
 because without user namespaces it would count every container's processes of the same uid), a read-only root,
 a size-capped tmpfs ``/tmp`` (``Limits.disk_mb``) as the only writable place, ``no-new-privileges``, all
 capabilities dropped, an unprivileged user (65534 by default), no logging driver (output only travels over the
-attach stream, capped by the host) and an empty environment. Docker's default seccomp profile stays on (it denies
-namespaces, mounts, the keyring, ptrace, bpf ... like :mod:`.seccomp_filter`); the memory cgroup counts shared memory
-and tmpfs, and the container's ``OOMKilled`` sets ``memory_exceeded``.
+attach stream, capped by the host) and an empty environment. The seccomp profile is the bubblewrap backend's
+(:func:`.seccomp_filter.docker_profile`: the same denials, Docker's default ones included, and unlike Docker's
+default also ``ptrace`` and ``process_vm_*``), so both backends deny the same calls. The memory cgroup counts shared
+memory and tmpfs, and the container's ``OOMKilled`` sets ``memory_exceeded``.
 
 The image is configurable and needs a ``python3``. By default: ``$AGENTENV_DOCKER_IMAGE`` if set, else the first of
 :data:`DEFAULT_IMAGES` the engine already has (``scripts/ci_docker.sh`` builds ``agentenv-python:3.11`` offline
@@ -21,16 +22,20 @@ Containers carry the label ``agentenv.sandbox=1`` so leftovers from a crashed ho
 
 from __future__ import annotations
 
+import json
 import os
 import select
+import socket
 import struct
 
 from agentenv.sandboxes.base import RUNNER_SOURCE, Sandbox, runner_args
+from agentenv.sandboxes.seccomp_filter import docker_profile
 from agentenv.sandboxes.limits import Limits
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 LABEL = "agentenv.sandbox"
 DEFAULT_IMAGES = ("python:3.11-slim", "agentenv-python:3.11")
+_PROFILE = json.dumps(docker_profile(), separators=(",", ":"))
 
 
 def default_image(client) -> str:
@@ -70,7 +75,7 @@ def container_config(image: str, python: str, mode: str, limits: Limits, cpus: f
         detach=True, init=True, network_mode="none", mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
         nano_cpus=int(cpus * 1e9), pids_limit=limits.max_processes, read_only=True,
         tmpfs={"/tmp": f"rw,nosuid,nodev,size={limits.disk_mb}m,mode=1777"},
-        security_opt=["no-new-privileges"], cap_drop=["ALL"], user=user, working_dir="/tmp",
+        security_opt=["no-new-privileges", "seccomp=" + _PROFILE], cap_drop=["ALL"], user=user, working_dir="/tmp",
         environment=dict(ENV), ulimits=[Ulimit(name="core", soft=0, hard=0)],
         log_config=LogConfig(type="none"), labels={LABEL: "1"})
 
@@ -125,15 +130,23 @@ class DockerProc:
         if self._gone:
             return
         self._gone = True
+        # Close our end of the attach stream first: an engine still copying a flood of output into a socket nobody
+        # reads would otherwise hold the container's removal until the client's timeout.
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        try:
+            self.container.kill()
+        except Exception:  # it already exited (docker.errors.APIError 409)
+            pass
         try:
             self.container.reload()
             self.oom_killed = bool(self.container.attrs["State"].get("OOMKilled"))
         except Exception:
             pass
-        try:
-            self.container.remove(force=True)
-        finally:
-            self.sock.close()
+        self.container.remove(force=True)
 
 
 class DockerSandbox(Sandbox):

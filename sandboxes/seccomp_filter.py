@@ -19,6 +19,8 @@ Contract:
   ``ioctl(TIOCLINUX)`` (typing into a terminal).
 * Non-native ABIs (x32, i386 on x86_64) are killed by libseccomp's architecture check.
 * :func:`bpf` returns the compiled program (cached per process); :data:`UNAVAILABLE` says why there is none.
+* :func:`docker_profile` states the same rules as a Docker seccomp profile (JSON, no library needed), so both
+  backends deny the same calls.
 """
 
 from __future__ import annotations
@@ -113,3 +115,16 @@ def program_fd(program: bytes) -> int:
     os.write(fd, program)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
+
+
+def docker_profile() -> dict:
+    """The same rules in Docker's seccomp profile format (``security_opt=["seccomp=" + json.dumps(...)]``)."""
+    rules = [{"names": list(DENY), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM},
+             {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS}]
+    for name, index, flags in (("clone", 0, CLONE_NEW_FLAGS), ("personality", 0, PERSONALITY_FLAGS)):
+        rules += [{"names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
+                   "args": [{"index": index, "value": f, "valueTwo": f, "op": "SCMP_CMP_MASKED_EQ"}]} for f in flags]
+    rules += [{"names": ["ioctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
+               "args": [{"index": 1, "value": 0xFFFFFFFF, "valueTwo": request, "op": "SCMP_CMP_MASKED_EQ"}]}
+              for request in (TIOCSTI, TIOCLINUX)]
+    return {"defaultAction": "SCMP_ACT_ALLOW", "syscalls": rules}

@@ -2,6 +2,7 @@
 local Python image (``scripts/ci_docker.sh`` starts Debian's engine and builds one offline) and skip, saying why,
 without them."""
 
+import json
 import os
 import struct
 
@@ -47,7 +48,10 @@ def test_container_config_is_hardened():
     lim = Limits(memory_mb=300, max_processes=12, disk_mb=20)
     c = container_config("img:1", "python3", "session", lim, cpus=0.5, user="65534:65534")
     assert c["network_mode"] == "none" and c["read_only"] and c["cap_drop"] == ["ALL"]
-    assert c["security_opt"] == ["no-new-privileges"] and c["user"] == "65534:65534"
+    assert c["security_opt"][0] == "no-new-privileges" and c["user"] == "65534:65534"
+    profile = json.loads(c["security_opt"][1].removeprefix("seccomp="))
+    denied = {n for rule in profile["syscalls"] if "args" not in rule for n in rule["names"]}
+    assert {"ptrace", "keyctl", "add_key", "unshare", "mount", "bpf", "userfaultfd"} <= denied
     assert c["mem_limit"] == c["memswap_limit"] == "300m" and c["pids_limit"] == 12
     assert c["nano_cpus"] == 500_000_000 and "size=20m" in c["tmpfs"]["/tmp"]
     assert c["environment"]["HOME"] == "/tmp" and "SECRET" not in str(c["environment"])
