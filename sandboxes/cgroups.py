@@ -14,8 +14,9 @@ Contract:
   ``cpu.cfs_quota_us``, ``freezer.state``, ``memory.oom_control``), detected from ``/proc/self/mountinfo``.
 * Groups live under ``agentenv-<host pid>`` inside the host process's own cgroup for each controller, so whatever
   limits the host itself is under still apply, and two host processes never share a parent.
-* :meth:`CgroupManager.create` makes a fresh leaf per sandboxed process tree. The tree enters it from the forked
-  child before ``exec`` (:meth:`Cgroup.preexec`), so there is no window in which it runs outside its limits.
+* :meth:`CgroupManager.create` makes a fresh leaf per sandboxed process tree. The tree's first process joins it
+  before it execs the sandbox (:meth:`Cgroup.join_argv`), so there is no window in which it runs outside
+  its limits.
 * :meth:`Cgroup.destroy` kills every task in the leaf (also ones that left the sandbox's process group), thaws
   it, reads the OOM counter one last time and removes the leaf; a leaf still busy with dying tasks is removed on a
   later call or at interpreter exit.
@@ -88,13 +89,16 @@ def _under(mount: tuple[str, str], own: str) -> Path:
     return Path(point) / rel.lstrip("/")
 
 
+# Writes "0" (= this process) into each cgroup.procs given before "--", then execs the rest; 125 if one fails.
+_JOIN = 'while [ "$1" != -- ]; do echo 0 > "$1" || exit 125; shift; done; shift; exec "$@"'
+
+
 class Cgroup:
     """A leaf group (one directory per v1 controller, or one v2 directory) for one sandboxed process tree."""
 
     def __init__(self, manager: CgroupManager, dirs: dict[str, Path]):
         self.manager, self.dirs = manager, dirs
         self.v2 = manager.version == 2
-        self._procs = [os.open(d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for d in dict.fromkeys(dirs.values())]
         # Kept open and read with pread: a path-based read of a cgroup file costs ~100 us, a pread ~2 us.
         self._oom_fd = os.open(dirs["memory"] / ("memory.events" if self.v2 else "memory.oom_control"),
                                os.O_RDONLY | os.O_CLOEXEC)
@@ -103,15 +107,12 @@ class Cgroup:
         self.frozen = False
         self.destroyed = False
 
-    def preexec(self) -> None:
-        """Runs in the forked child before exec: move it (pid 0 = the caller) into every controller's leaf."""
-        for fd in self._procs:
-            os.write(fd, b"0")
-
-    def close_fds(self) -> None:
-        for fd in self._procs:
-            os.close(fd)
-        self._procs = []
+    def join_argv(self, argv: list[str]) -> list[str]:
+        """``argv`` behind a tiny ``sh`` that first moves itself into every controller's leaf, then ``exec``-s it:
+        the tree never runs outside its limits. (A ``preexec_fn`` would do the same but forces ``fork`` and Python
+        in the child: ~10 ms per start instead of ~0.7 ms of the child's CPU.)"""
+        return ["/bin/sh", "-c", _JOIN, "agentenv-cgroup-join",
+                *(str(d / "cgroup.procs") for d in dict.fromkeys(self.dirs.values())), "--", *argv]
 
     def oom_kills(self) -> int:
         """How many tasks the kernel's OOM killer killed in this group so far."""
@@ -181,7 +182,6 @@ class Cgroup:
         self.kill()
         oom = self.new_oom_kill()
         self.destroyed = True
-        self.close_fds()
         os.close(self._oom_fd)
         os.close(self._tasks_fd)
         self.manager.remove(list(dict.fromkeys(self.dirs.values())))

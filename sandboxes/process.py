@@ -54,11 +54,11 @@ class PipeProc:
                  pass_fds: tuple[int, ...] = (), rest_tasks: int = 1):
         self.cgroup = cgroup
         self.rest_tasks = rest_tasks
+        if cgroup is not None:
+            argv = cgroup.join_argv(argv)
         self.popen = _spawn(subprocess.Popen, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True, close_fds=True,
-                            pass_fds=pass_fds, preexec_fn=cgroup.preexec if cgroup is not None else None)
-        if cgroup is not None:
-            cgroup.close_fds()
+                            pass_fds=pass_fds)
         self.pid = self.popen.pid
         self.wfd = self.popen.stdin.fileno()
         self._streams = {self.popen.stdout.fileno(): 1, self.popen.stderr.fileno(): 2}
