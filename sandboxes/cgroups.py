@@ -13,7 +13,8 @@ Contract:
   the legacy one (v1: ``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes`` (no swap), ``pids.max``,
   ``cpu.cfs_quota_us``, ``freezer.state``, ``memory.oom_control``), detected from ``/proc/self/mountinfo``.
 * Groups live under ``agentenv-<host pid>`` inside the host process's own cgroup for each controller, so whatever
-  limits the host itself is under still apply, and two host processes never share a parent.
+  limits the host itself is under still apply, and two host processes never share a parent. Empty groups of host
+  processes that died without cleaning up are removed when the next manager starts.
 * :meth:`CgroupManager.create` makes a fresh leaf per sandboxed process tree. The tree's first process joins it
   before it execs the sandbox (:meth:`Cgroup.join_argv`), so there is no window in which it runs outside
   its limits.
@@ -277,8 +278,22 @@ class CgroupManager:
 
 
 def _make_parent(path: Path) -> Path:
+    _remove_stale(path.parent)
     path.mkdir(exist_ok=True)
     return path
+
+
+def _remove_stale(base: Path) -> None:
+    """Remove the empty groups of host processes that died without cleaning up (killed, or tasks slow to die)."""
+    for parent in base.glob("agentenv-*"):
+        pid = parent.name.removeprefix("agentenv-")
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        for d in [*parent.glob("sb-*"), parent]:
+            try:
+                d.rmdir()
+            except OSError:  # still has tasks: leave it to a later start
+                pass
 
 
 def _detect() -> CgroupManager:

@@ -224,3 +224,16 @@ def test_open_files_are_capped():
     r = _quiet().run("import os\nn = 0\ntry:\n    while True:\n        os.open('/dev/null', 0); n += 1\n"
                      "except OSError as e:\n    print(n < 64, e.strerror)", LIM.replace(max_open_files=64))
     assert r.stdout == "True Too many open files\n", r
+
+
+def test_groups_of_a_host_that_died_are_removed_by_the_next_one():
+    _need_cgroups()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = [p.parent / f"agentenv-{dead.pid}" for p in cgroups.manager().parents.values()]
+    for d in stale:
+        (d / "sb-0").mkdir(parents=True)
+    p = subprocess.run([sys.executable, "-c", "from agentenv.sandboxes import cgroups; assert cgroups.manager()"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert not any(d.exists() for d in stale)
