@@ -1,11 +1,13 @@
-"""The program that runs INSIDE every sandbox (passed as ``python3 -S -I -c <this source> MODE AS CPU NPROC FSIZE NOFILE``).
+"""The program that runs INSIDE every sandbox (``python3 -S -I -c <this source> MODE AS CPU NPROC FSIZE NOFILE``).
 
 Contract with the host (:mod:`agentenv.sandboxes.channel`):
 
-* First it lowers its own rlimits (address space, CPU, processes, file size, open files, no core dumps) before any untrusted
-  code runs; lowered hard limits cannot be raised again by an unprivileged uid. In a session the CPU soft limit is
-  re-armed per cell (``used + cpu_s``) and the hard limit stays open, so CPU is bounded per cell only while the cell
-  leaves the soft limit alone; the host's wall timeout is the bound that cannot be undone.
+* First it lowers its own rlimits (address space, CPU, processes, file size, open files, no core dumps) before any
+  untrusted code runs; lowered hard limits cannot be raised again by an unprivileged uid, and none is ever asked
+  above the hard limit it inherited (a container's may be lower than the one requested). In a session the CPU soft
+  limit is re-armed per cell (``used + cpu_s``) and the hard limit stays open, so CPU is bounded per cell only
+  while the cell leaves the soft limit alone; the host's wall timeout is the bound that cannot be undone, and
+  between cells a host with a cgroup freezes whatever a cell left running.
 * Cells arrive on stdin as ``b"<nbytes> <nonce> <cpu_s>\\n" + source``. stdin is then pointed at /dev/null so user
   code that reads input gets EOF instead of the protocol.
 * User code runs in a fresh ``__main__`` module; its output goes straight to the real fd 1/2 (stdout line-buffered,

@@ -411,14 +411,18 @@ except OSError as e:
 """, host_check=_no_abstract_connection),
     Attack("dev_shm_fill", "/dev/shm and /dev cannot be filled (no uncapped tmpfs)", """
 total = 0
-for path in ("/dev/shm/fill", "/dev/fill", "/dev/pts/fill"):
+chunk = bytes(1 << 20)
+for d in ("/dev/shm", "/dev", "/dev/pts"):
+    n = 0
     try:
-        with open(path, "wb") as f:
-            while total < ($disk_mb + $memory_mb + 64) << 20:
-                f.write(bytes(4 << 20))
-                total += 4 << 20
+        while total < ($disk_mb + $memory_mb + 64) << 20:
+            with open("%s/fill%d" % (d, n), "wb") as f:  # many files, each under the file-size limit
+                for _ in range($max_file_mb - 1):
+                    f.write(chunk)
+                    total += 1 << 20
+            n += 1
     except OSError as e:
-        print("blocked", path, e.strerror, "after", total >> 20, "MB")
+        print("blocked", d, e.strerror, "after", total >> 20, "MB")
 if total > ($disk_mb + 8) << 20:
     print("ESCAPED wrote", total >> 20, "MB outside the capped /tmp")
 """),

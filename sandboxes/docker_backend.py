@@ -1,15 +1,16 @@
 """The ``docker`` backend: one container per fresh run or session, driven through the Docker SDK for Python.
 
 Each container gets an init process (``init=True``: the runner is not PID 1, which would ignore the kernel's
-SIGXCPU and so the CPU limit), ``network_mode=none``, a memory cgroup limit with no extra swap, a CPU quota (``cpus``), a pids
-limit (``Limits.max_processes``, the per-container process cap; the runner's RLIMIT_NPROC is left open here
-because without user namespaces it would count every container's processes of the same uid), a read-only root,
-a size-capped tmpfs ``/tmp`` (``Limits.disk_mb``) as the only writable place, ``no-new-privileges``, all
-capabilities dropped, an unprivileged user (65534 by default), no logging driver (output only travels over the
+SIGXCPU and so the CPU limit), ``network_mode=none``, a memory cgroup limit with no extra swap, a CPU quota
+(``cpus``), a pids limit (``Limits.max_processes``, the per-container process cap; the runner's RLIMIT_NPROC is
+asked to be open here, because without user namespaces it would count every container's processes of the same
+uid, and the runner never sets it above the container's hard limit), a read-only root, a size-capped tmpfs
+``/tmp`` (``Limits.disk_mb``) as the only writable place (``/dev/shm`` is cut to 1 MB), ``no-new-privileges``,
+all capabilities dropped, an unprivileged user (65534 by default), no logging driver (output only travels over the
 attach stream, capped by the host) and an empty environment. The seccomp profile is the bubblewrap backend's
 (:func:`.seccomp_filter.docker_profile`: the same denials, Docker's default ones included, and unlike Docker's
-default also ``ptrace`` and ``process_vm_*``), so both backends deny the same calls. The memory cgroup counts shared
-memory and tmpfs, and the container's ``OOMKilled`` sets ``memory_exceeded``.
+default also ``ptrace`` and ``process_vm_*``), so both backends deny the same calls. The memory cgroup counts
+shared memory and tmpfs, and the container's ``OOMKilled`` sets ``memory_exceeded``.
 
 The image is configurable and needs a ``python3``. By default: ``$AGENTENV_DOCKER_IMAGE`` if set, else the first of
 :data:`DEFAULT_IMAGES` the engine already has (``scripts/ci_docker.sh`` builds ``agentenv-python:3.11`` offline
@@ -72,9 +73,11 @@ def container_config(image: str, python: str, mode: str, limits: Limits, cpus: f
     args = runner_args(mode, limits.replace(max_processes=1 << 20))  # pids_limit is the process cap here
     return dict(
         image=image, command=[python, "-S", "-I", "-c", RUNNER_SOURCE, *args], stdin_open=True, tty=False,
-        detach=True, init=True, network_mode="none", mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
+        detach=True, init=True, network_mode="none",
+        mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
         nano_cpus=int(cpus * 1e9), pids_limit=limits.max_processes, read_only=True,
         tmpfs={"/tmp": f"rw,nosuid,nodev,size={limits.disk_mb}m,mode=1777"},
+        shm_size="1m",  # Docker's default /dev/shm is a 64 MB tmpfs beside /tmp: room for semaphores only
         security_opt=["no-new-privileges", "seccomp=" + _PROFILE], cap_drop=["ALL"], user=user, working_dir="/tmp",
         environment=dict(ENV), ulimits=[Ulimit(name="core", soft=0, hard=0)],
         log_config=LogConfig(type="none"), labels={LABEL: "1"})

@@ -5,9 +5,10 @@ Contract:
 * ``Limits`` is immutable and validated on construction; every backend enforces every field (how, per backend, is
   documented in that backend's module). ``timeout_s`` is wall-clock and always kills the whole process tree;
   ``cpu_s``, ``memory_mb`` (address space, per process), ``max_processes``, ``max_file_mb`` (largest single file)
-  ``max_open_files`` are kernel rlimits (a backend with a cgroup also caps the whole tree's memory, shared
-  memory and tmpfs included, at ``memory_mb``, and its task count); ``disk_mb`` is the size of the private writable ``/tmp``; ``max_output_bytes`` caps stdout
-  and stderr separately, while reading, and marks the cut with :data:`TRUNCATION_MARKER`.
+  and ``max_open_files`` are kernel rlimits (a backend with a cgroup also caps the whole tree's memory, shared
+  memory and tmpfs included, at ``memory_mb``, and its task count); ``disk_mb`` is the size of the private
+  writable ``/tmp``; ``max_output_bytes`` caps stdout and stderr separately, while reading, and marks the cut
+  with :data:`TRUNCATION_MARKER`.
 * ``ExecResult`` is a plain record: decoded stdout/stderr (UTF-8, invalid bytes replaced), the exit code in shell
   convention (``128 + N`` when killed by signal N, on every backend), one flag per limit that was hit, and wall time.
   ``ok`` means exit 0 and no limit hit.

@@ -53,7 +53,7 @@ def test_container_config_is_hardened():
     denied = {n for rule in profile["syscalls"] if "args" not in rule for n in rule["names"]}
     assert {"ptrace", "keyctl", "add_key", "unshare", "mount", "bpf", "userfaultfd"} <= denied
     assert c["mem_limit"] == c["memswap_limit"] == "300m" and c["pids_limit"] == 12
-    assert c["nano_cpus"] == 500_000_000 and "size=20m" in c["tmpfs"]["/tmp"]
+    assert c["nano_cpus"] == 500_000_000 and "size=20m" in c["tmpfs"]["/tmp"] and c["shm_size"] == "1m"
     assert c["environment"]["HOME"] == "/tmp" and "SECRET" not in str(c["environment"])
     assert c["command"][:3] == ["python3", "-S", "-I"] and c["command"][5] == "session-mux"
     assert c["labels"] == {LABEL: "1"} and c["stdin_open"] and not c["tty"]
