@@ -14,7 +14,9 @@ Contract:
   ``cpu.cfs_quota_us``, ``freezer.state``, ``memory.oom_control``), detected from ``/proc/self/mountinfo``.
 * Groups live under ``agentenv-<host pid>`` inside the host process's own cgroup for each controller, so whatever
   limits the host itself is under still apply, and two host processes never share a parent. Empty groups of host
-  processes that died without cleaning up are removed when the next manager starts.
+  processes that died without cleaning up are removed when the next manager starts. On v2 a group with processes
+  cannot hand controllers to children, so a host alone in its (delegated) cgroup first moves itself into a leaf
+  ``agentenv-host-<pid>`` beside that parent. Only the v1 path runs on the machines this was built on.
 * :meth:`CgroupManager.create` makes a fresh leaf per sandboxed process tree. The tree's first process joins it
   before it execs the sandbox (:meth:`Cgroup.join_argv`), so there is no window in which it runs outside
   its limits.
@@ -286,7 +288,7 @@ def _make_parent(path: Path) -> Path:
 def _remove_stale(base: Path) -> None:
     """Remove the empty groups of host processes that died without cleaning up (killed, or tasks slow to die)."""
     for parent in base.glob("agentenv-*"):
-        pid = parent.name.removeprefix("agentenv-")
+        pid = parent.name.removeprefix("agentenv-").removeprefix("host-")
         if not pid.isdigit() or Path(f"/proc/{pid}").exists():
             continue
         for d in [*parent.glob("sb-*"), parent]:
@@ -294,6 +296,28 @@ def _remove_stale(base: Path) -> None:
                 d.rmdir()
             except OSError:  # still has tasks: leave it to a later start
                 pass
+
+
+def _enable_v2_controllers(base: Path) -> None:
+    """Enable memory/pids/cpu for ``base``'s children. v2 allows that only in a group without processes of its own
+    ("no internal processes"): if ``base`` holds this host process (a delegated scope), the host moves itself into a
+    leaf ``agentenv-host-<pid>`` first; if other processes are there too, it moves back and gives up."""
+    line = " ".join(f"+{c}" for c in V2_CONTROLLERS)
+    try:
+        _write(base / "cgroup.subtree_control", line)
+        return
+    except OSError as e:
+        if e.errno != errno.EBUSY:
+            raise
+    host = base / f"agentenv-host-{os.getpid()}"
+    host.mkdir(exist_ok=True)
+    _write(host / "cgroup.procs", "0")
+    try:
+        _write(base / "cgroup.subtree_control", line)
+    except OSError:
+        _write(base / "cgroup.procs", "0")
+        host.rmdir()
+        raise
 
 
 def _detect() -> CgroupManager:
@@ -311,12 +335,12 @@ def _detect() -> CgroupManager:
         raise OSError(f"cgroup v2 at {base} lacks the {sorted(missing)} controller(s)")
     parent = _make_parent(base / name)
     try:
-        _write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in V2_CONTROLLERS))
+        _enable_v2_controllers(base)
         _write(parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in V2_CONTROLLERS))
     except OSError as e:
         parent.rmdir()
-        raise OSError(f"cannot enable controllers below {base} ({e}); start the host in a delegated cgroup "
-                      "without processes of its own, e.g. `systemd-run --user --scope -p Delegate=yes ...`") from e
+        raise OSError(f"cannot enable controllers below {base} ({e}); start the host in a delegated cgroup of its "
+                      "own, e.g. `systemd-run --user --scope -p Delegate=yes ...`") from e
     return CgroupManager(2, {"memory": parent})
 
 
