@@ -131,8 +131,8 @@ def test_a_thread_left_spinning_gets_no_cpu_between_cells():
         pids += [int(p) for q in pids[1:] for p in subprocess.run(["pgrep", "-P", str(q)], capture_output=True,
                                                                  text=True).stdout.split()]
         before = _cpu_seconds(pids)
-        time.sleep(1.0)
-        assert _cpu_seconds(pids) - before > 0.2
+        time.sleep(1.5)
+        assert _cpu_seconds(pids) - before > 0.1  # a loaded 2-core host still gives a spinner far more than this
 
 
 def test_without_delegable_cgroups_it_warns_loudly_and_still_runs():
