@@ -60,20 +60,21 @@ def _write(path: Path, value: str) -> None:
         os.close(fd)
 
 
-def _own_paths() -> dict[str, str]:
-    """Controller (or "" for v2) -> this process's cgroup path, from /proc/self/cgroup."""
+def _own_paths(text: str | None = None) -> dict[str, str]:
+    """Controller (or "" for v2) -> this process's cgroup path, from /proc/self/cgroup (or ``text``)."""
     paths = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
+    for line in (Path("/proc/self/cgroup").read_text() if text is None else text).splitlines():
         _, controllers, path = line.split(":", 2)
         for c in controllers.split(",") if controllers else [""]:
             paths[c] = path
     return paths
 
 
-def _mounts() -> tuple[dict[str, tuple[str, str]], tuple[str, str] | None]:
-    """v1 controller -> (mount point, mount root); and the v2 (mount point, mount root) if one is mounted."""
+def _mounts(text: str | None = None) -> tuple[dict[str, tuple[str, str]], tuple[str, str] | None]:
+    """v1 controller -> (mount point, mount root); and the v2 (mount point, mount root) if one is mounted; from
+    /proc/self/mountinfo (or ``text``)."""
     v1, v2 = {}, None
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+    for line in (Path("/proc/self/mountinfo").read_text() if text is None else text).splitlines():
         left, _, right = line.partition(" - ")
         fields, (fstype, _src, superopts) = left.split(), right.split()[:3]
         root, point = fields[3], fields[4]

@@ -237,3 +237,21 @@ def test_groups_of_a_host_that_died_are_removed_by_the_next_one():
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert not any(d.exists() for d in stale)
+
+
+def test_cgroup_paths_are_found_on_v1_and_v2_hosts():
+    """Where each controller's groups go, from a host's mountinfo and /proc/self/cgroup (v2 cannot run here)."""
+    v2_mounts = ("29 23 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
+                 "30 23 0:27 / /proc rw - proc proc rw\n")
+    own = cgroups._own_paths("0::/user.slice/user-1000.slice/app.scope\n")
+    v1, v2 = cgroups._mounts(v2_mounts)
+    assert v1 == {} and v2 == ("/sys/fs/cgroup", "/")
+    assert str(cgroups._under(v2, own[""])) == "/sys/fs/cgroup/user.slice/user-1000.slice/app.scope"
+    v1_mounts = ("32 31 0:29 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n"
+                 "35 31 0:32 /docker/abc /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
+                 "38 31 0:35 / /sys/fs/cgroup/pids rw - cgroup cgroup rw,pids\n")
+    own = cgroups._own_paths("4:memory:/docker/abc/job\n8:pids:/\n1:cpu,cpuacct:/x\n")
+    v1, v2 = cgroups._mounts(v1_mounts)
+    assert v2 is None and set(v1) == {"cpu", "memory", "pids"} and own["cpuacct"] == "/x"
+    assert str(cgroups._under(v1["memory"], own["memory"])) == "/sys/fs/cgroup/memory/job"  # mount root stripped
+    assert str(cgroups._under(v1["cpu"], own["cpu"])) == "/sys/fs/cgroup/cpu/x"
