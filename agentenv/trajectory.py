@@ -24,7 +24,9 @@ Contract (one object per trajectory):
 All four per-token lists have the same length. Text-policy trajectories (scripted experts) have empty token lists.
 
 The JSONL file format is versioned by a ``schema_version`` field in every line. :func:`read_jsonl` reads the current
-version and every older one it knows how to upgrade; anything else is a clear error. History:
+version and every older one it knows how to upgrade; anything else is a clear error. The writers flush whole lines,
+so a crash can only leave the LAST line cut short (no final newline): the reader skips that one line with a
+:class:`TruncatedLineWarning` and keeps everything before it. A bad line anywhere else is an error. History:
 
 * 1: first released format.
 * 2: ``num_tool_malformed``, ``tool_calls_by_name``, ``tool_errors_by_name``; ``num_tool_calls`` / ``num_tool_errors``
@@ -36,8 +38,10 @@ version and every older one it knows how to upgrade; anything else is a clear er
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -196,15 +200,27 @@ class JsonlWriter:
         self.close()
 
 
+class TruncatedLineWarning(UserWarning):
+    """The last line of a trajectory file was cut short (a crash while it was written) and was skipped."""
+
+
 def iter_jsonl(path: str | os.PathLike) -> Iterator[Trajectory]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                if not raw.endswith(b"\n"):  # only the last line can lack its newline: cut short by a crash
+                    msg = (f"{path}:{lineno}: the last line is cut short ({len(raw)} bytes; {e}); skipped it, kept "
+                           f"the {lineno - 1} lines before")
+                    warnings.warn(msg, TruncatedLineWarning, stacklevel=2)
+                    logging.getLogger(__name__).warning(msg)
+                    return
+                why = e.msg if isinstance(e, json.JSONDecodeError) else f"not UTF-8: {e.reason}"
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({why})") from None
             try:
                 yield Trajectory.from_dict(d)
             except (TypeError, ValueError) as e:

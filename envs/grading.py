@@ -10,7 +10,8 @@ Contract of :func:`grade_answer(response, expected)` (the default grader of :cla
 2. If both prediction and reference parse as numbers (integers with or without thousands separators, decimals,
    scientific notation, ``a/b`` and ``\frac{a}{b}``): an integer reference must be matched exactly, however large
    (``12``, ``12.0``, ``1.2e1`` match 12; ``12.0000001`` does not); any other reference matches when
-   ``|p - e| <= max(abs_tol, rel_tol * |e|)``.
+   ``|p - e| <= max(abs_tol, rel_tol * |e|)``. Values that are not finite (``1e999``, ``1e200/1e-200``) are not
+   numbers; grading never raises on any response text.
 3. Otherwise they match when equal after :func:`normalize` (case, surrounding whitespace/``$``/final period,
    ``\text{}`` wrappers and inner whitespace runs are ignored).
 """
@@ -55,11 +56,16 @@ def parse_number(text: str) -> Fraction | float | None:
         s = s.replace(",", "")
     try:
         if "/" in s:
+            if s.count("/") > 1:  # a/b/c is no number we grade (and splitting it recursively could go 1,000 deep)
+                return None
             a, b = s.split("/", 1)
             num, den = parse_number(a), parse_number(b)
             if num is None or den is None or den == 0:
                 return None
-            return Fraction(num) / Fraction(den) if isinstance(num, Fraction) and isinstance(den, Fraction) else float(num) / float(den)
+            if isinstance(num, Fraction) and isinstance(den, Fraction):
+                return num / den
+            value = float(num) / float(den)  # 1e200/1e-200 is inf, not an error: no number then
+            return value if math.isfinite(value) else None
         if re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)", s):
             return Fraction(s)  # exact: big integers and decimals compare without float rounding
         value = float(s)

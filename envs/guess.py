@@ -5,6 +5,9 @@ in the text). The env answers "higher" / "lower" as a user message. Guessing rig
 running out of turns truncates it with reward 0 (never success). A message with no integer is an invalid action:
 it is answered with a clear explanation, counted in ``info["invalid_action"]``, and costs a turn.
 
+A guess is compared as written, however many digits it has (no ``int()`` of a 5,000-digit string, which Python
+refuses): a guess longer than any number in range is simply "higher" or "lower".
+
 It needs no model download, no sandbox and no game files, so it exercises the runtime end to end on any machine.
 """
 
@@ -15,6 +18,14 @@ import re
 from agentenv.envs.base import TextEnv
 
 _INT = re.compile(r"-?\d+")
+
+
+def _bounded_int(text: str, low: int, high: int) -> int:
+    """The integer ``text`` says, or ``low - 1`` / ``high + 1`` if it is too long to be in range (any length)."""
+    negative, digits = text.startswith("-"), text.lstrip("-").lstrip("0") or "0"  # leading zeros count too
+    if len(digits) > max(len(str(abs(low))), len(str(abs(high)))) + 1:
+        return low - 1 if negative else high + 1
+    return -int(digits) if negative else int(digits)
 
 
 class GuessNumberEnv(TextEnv):
@@ -47,7 +58,7 @@ class GuessNumberEnv(TextEnv):
         if not found:
             obs = "I could not find a number in your reply. Answer with a single integer."
         else:
-            guess = int(found[-1])
+            guess = _bounded_int(found[-1], self.low, self.high)
             if guess == self._secret:
                 obs, reward, terminated = f"Correct! The number was {self._secret}.", 1.0, True
             else:

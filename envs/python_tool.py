@@ -14,6 +14,10 @@ Contract (on top of :class:`~agentenv.envs.tool_env.ToolEnv`):
   exit, a timeout, an exceeded memory / CPU limit, truncated output, a restarted interpreter. An empty output says
   so (and reminds the model to ``print``). As in a notebook, a trailing bare expression's repr is echoed. A call that is not ``ok`` (non-zero exit or any limit hit) counts as a
   tool error; a timeout also as a tool timeout.
+* One assistant message may hold several calls; together they get at most ``message_timeout_s`` seconds of wall
+  time (default: twice ``limits.timeout_s``). Each call runs with ``timeout_s`` (and ``cpu_s``) cut to what is
+  left of that budget, and a call with nothing left is not run: its result says so and counts as a tool timeout.
+  So 5 x ``sleep(100)`` in one message costs the budget, not 5 x the per-call timeout.
 * Tasks: ``tasks=None`` uses :func:`builtin_tasks` (``num_tasks`` problems generated deterministically from
   ``task_seed``: big products, modular powers, digit sums, sequence sums, counting, Fibonacci residues, prime
   counts and multi-step word problems -- all with exact integer answers that are impractical to get right without
@@ -27,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -208,6 +213,7 @@ class PythonToolEnv(ToolEnv):
         backend: str = "bubblewrap",
         limits: Any = None,
         persistent: bool = True,
+        message_timeout_s: float | None = None,
         max_turns: int = 10,
         system_prompt: str | None = SYSTEM_PROMPT,
         tool_doc: str | None = None,
@@ -220,6 +226,13 @@ class PythonToolEnv(ToolEnv):
         if isinstance(self.limits, Mapping):
             self.limits = Limits(**self.limits)  # gym.make kwargs / YAML configs pass plain dicts
         self.backend, self.persistent = backend, persistent
+        if message_timeout_s is None:
+            message_timeout_s = 2 * self.limits.timeout_s
+        if isinstance(message_timeout_s, bool) or not isinstance(message_timeout_s, (int, float)) \
+                or not message_timeout_s > 0:
+            raise ValueError(f"message_timeout_s must be a positive number of seconds, got {message_timeout_s!r}")
+        self.message_timeout_s = float(message_timeout_s)
+        self._message_deadline = math.inf
         self.sandbox = make_sandbox(backend, limits=self.limits)
         state = ("Variables, imports and functions persist across calls within this conversation."
                  if persistent else "Each call starts a fresh interpreter: nothing carries over between calls.")
@@ -244,16 +257,31 @@ class PythonToolEnv(ToolEnv):
         # garbage-collected or at interpreter exit, without keeping the env alive.
         self._finalizer = weakref.finalize(self, _shutdown, self._slot, self.sandbox)
 
+    def run_tools(self, action: str):
+        """All calls of one message share ``message_timeout_s`` (see the module docstring)."""
+        self._message_deadline = time.monotonic() + self.message_timeout_s
+        try:
+            return super().run_tools(action)
+        finally:
+            self._message_deadline = math.inf
+
     def _python(self, code: str) -> ToolOutput:
+        left = self._message_deadline - time.monotonic()
+        if left <= 0.01:
+            return ToolOutput(f"[not run: the {self.message_timeout_s:g} s of tool time for one message are used up]",
+                              error=True, timeout=True)
+        limits = self.limits
+        if left < limits.timeout_s:
+            limits = limits.replace(timeout_s=left, cpu_s=min(limits.cpu_s, left))
         if self.persistent:
             if self._slot.session is None:
                 self._slot.session = self.sandbox.session()
-            result = self._slot.session.run(code)
+            result = self._slot.session.run(code, limits)
         else:
-            result = self.sandbox.run(code)
+            result = self.sandbox.run(code, limits)
         # An endless loop ends on the wall timeout or the CPU limit, whichever fires first: both are a timeout.
         timeout = bool(result.timed_out or getattr(result, "cpu_exceeded", False))
-        return ToolOutput(format_result(result, self.limits), error=not result.ok, timeout=timeout)
+        return ToolOutput(format_result(result, limits), error=not result.ok, timeout=timeout)
 
     def end_episode(self) -> None:
         slot = getattr(self, "_slot", None)  # end_episode may run from a failed __init__

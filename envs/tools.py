@@ -330,6 +330,9 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         except json.JSONDecodeError as e:
             calls.append(ToolCall(None, raw=raw, error=f"the tool call is not valid JSON ({e.msg} at char {e.pos})"))
             continue
+        except (ValueError, RecursionError) as e:  # a 5,000-digit number, or nesting deeper than the decoder goes
+            calls.append(ToolCall(None, raw=raw, error=f"the tool call's JSON cannot be read ({str(e)[:80]})"))
+            continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             calls.append(ToolCall(None, raw=raw, error='a tool call must be a JSON object {"name": <tool name>, "arguments": {...}}'))
             continue
@@ -337,7 +340,7 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         if isinstance(args, str):  # OpenAI-style arguments encoded as a JSON string
             try:
                 args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
                 calls.append(ToolCall(obj["name"], raw=raw, error="\"arguments\" is a string that is not a JSON object"))
                 continue
         calls.append(ToolCall(obj["name"], args, raw=raw))  # a non-object is reported when the call is run

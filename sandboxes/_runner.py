@@ -1,11 +1,13 @@
-"""The program that runs INSIDE every sandbox (passed as ``python3 -S -I -c <this source> MODE AS CPU NPROC FSIZE``).
+"""The program that runs INSIDE every sandbox (``python3 -S -I -c <this source> MODE AS CPU NPROC FSIZE NOFILE``).
 
 Contract with the host (:mod:`agentenv.sandboxes.channel`):
 
-* First it lowers its own rlimits (address space, CPU, processes, file size, no core dumps) before any untrusted
-  code runs; lowered hard limits cannot be raised again by an unprivileged uid. In a session the CPU soft limit is
-  re-armed per cell (``used + cpu_s``) and the hard limit stays open, so CPU is bounded per cell only while the cell
-  leaves the soft limit alone; the host's wall timeout is the bound that cannot be undone.
+* First it lowers its own rlimits (address space, CPU, processes, file size, open files, no core dumps) before any
+  untrusted code runs; lowered hard limits cannot be raised again by an unprivileged uid, and none is ever asked
+  above the hard limit it inherited (a container's may be lower than the one requested). In a session the CPU soft
+  limit is re-armed per cell (``used + cpu_s``) and the hard limit stays open, so CPU is bounded per cell only
+  while the cell leaves the soft limit alone; the host's wall timeout is the bound that cannot be undone, and
+  between cells a host with a cgroup freezes whatever a cell left running.
 * Cells arrive on stdin as ``b"<nbytes> <nonce> <cpu_s>\\n" + source``. stdin is then pointed at /dev/null so user
   code that reads input gets EOF instead of the protocol.
 * User code runs in a fresh ``__main__`` module; its output goes straight to the real fd 1/2 (stdout line-buffered,
@@ -30,12 +32,18 @@ def _main(argv):
     import _ast
     import resource as r
 
-    mode, as_bytes, cpu, nproc, fsize = argv[0], *map(int, argv[1:5])
+    mode, as_bytes, cpu, nproc, fsize, nofile = argv[0], *map(int, argv[1:6])
     once, mux = mode == "once", mode == "session-mux"
-    r.setrlimit(r.RLIMIT_CORE, (0, 0))
-    r.setrlimit(r.RLIMIT_FSIZE, (fsize, fsize))
-    r.setrlimit(r.RLIMIT_NPROC, (nproc, nproc))
-    r.setrlimit(r.RLIMIT_AS, (as_bytes, as_bytes))
+    def cap(res, v):  # never above the hard limit we were given (a container's may be lower): that would raise
+        hard = r.getrlimit(res)[1]
+        v = v if hard == r.RLIM_INFINITY else min(v, hard)
+        r.setrlimit(res, (v, v))
+
+    cap(r.RLIMIT_CORE, 0)
+    cap(r.RLIMIT_FSIZE, fsize)
+    cap(r.RLIMIT_NOFILE, nofile)
+    cap(r.RLIMIT_NPROC, nproc)
+    cap(r.RLIMIT_AS, as_bytes)
     r.setrlimit(r.RLIMIT_CPU, (cpu, cpu + 1) if once else (cpu, r.RLIM_INFINITY))
 
     ctl = open(os.dup(0), "rb")  # dup() is close-on-exec: user subprocesses never see the protocol

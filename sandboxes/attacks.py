@@ -40,6 +40,7 @@ class Attack:
     expect: Callable[[ExecResult, Limits], str | None] = lambda r, lim: None
     host_check: Callable[[Target], str | None] = lambda t: None
     limits: dict = field(default_factory=dict)
+    then: str | None = None  # a second program, run in a fresh sandbox after the first (cross-episode leaks)
 
 
 def _flag(name: str):
@@ -74,6 +75,27 @@ def _nothing_written(t: Target) -> str | None:
 
 def _bystander_alive(t: Target) -> str | None:
     return None if t.bystander.poll() is None else "a host process was killed"
+
+
+def _no_abstract_connection(t: Target) -> str | None:
+    try:
+        conn, _ = t.abstract.accept()
+        conn.close()
+        return "the host's abstract unix socket got a connection"
+    except BlockingIOError:
+        return None
+
+
+# Raw syscalls the attacks make through ctypes (libc has no wrapper for the keyring calls).
+_SYSCALLS = """
+import ctypes, errno, os, platform
+libc = ctypes.CDLL(None, use_errno=True)
+NR = {"x86_64": dict(add_key=248, request_key=249, keyctl=250, unshare=272, clone=56),
+      "aarch64": dict(add_key=217, request_key=218, keyctl=219, unshare=97, clone=220)}[platform.machine()]
+def sys_call(name, *args):
+    r = libc.syscall(NR[name], *args)
+    return r, errno.errorcode.get(ctypes.get_errno(), "?") if r == -1 else ""
+"""
 
 
 ATTACKS = [
@@ -165,7 +187,7 @@ print("ESCAPED allocated", len(blocks) * 16, "MB")
     Attack("cpu_spin", "CPU time is capped", """
 while True:
     pass
-""", expect=_flag("cpu_exceeded"), limits={"timeout_s": 5.0}),
+""", expect=_flag("cpu_exceeded"), limits={"timeout_s": 10.0}),  # 1 s of CPU: slow on a loaded host
     Attack("disk_fill", "disk writes are capped (private tmpfs size, largest file)", """
 import os
 total = n = 0
@@ -221,12 +243,19 @@ if os.fork() == 0:
 """, expect=_exited_fast),
     Attack("signal_parent", "signals cannot reach the host (kill getppid(), kill 1, kill -9 -1)", """
 import os, signal
-for pid in (os.getppid(), 1, $bystander_pid):
+# The parent and pid 1 are the sandbox's own (its PID namespace): signalling them may end the sandbox, which is
+# allowed. Reaching the host is what counts: the host-side probe checks that its bystander process survived.
+for pid in (os.getppid(), 1):
     try:
         os.kill(pid, signal.SIGKILL)
-        print("ESCAPED killed", pid)
+        print("signalled the sandbox's own", pid)
     except OSError as e:
         print("blocked kill", pid, type(e).__name__)
+try:
+    os.kill($bystander_pid, signal.SIGKILL)
+    print("ESCAPED killed host pid $bystander_pid")
+except OSError as e:
+    print("blocked kill of the host's pid", type(e).__name__)
 try:
     os.kill(-1, signal.SIGKILL)
 except OSError as e:
@@ -260,6 +289,154 @@ for line in open("/proc/self/status"):
     if line.startswith(("CapEff", "CapPrm", "CapBnd", "CapAmb")) and int(line.split()[1], 16):
         print("ESCAPED capability set", line.strip())
 """),
+    Attack("memfd_bomb", "all memory is capped, shared memory included (memfd files under the file-size limit)", """
+import os
+size = ($max_file_mb - 1) << 20
+held = []
+for i in range($memory_mb * 3 // ($max_file_mb - 1)):
+    fd = os.memfd_create("bomb%d" % i)
+    os.posix_fallocate(fd, 0, size)  # real pages, charged to whoever allocates them; not address space
+    held.append(fd)
+    print("memfd MB held:", len(held) * size >> 20, flush=True)
+print("ESCAPED held", len(held) * size >> 20, "MB of shared memory")
+""", expect=_flag("memory_exceeded"), limits={"timeout_s": 5.0}),
+    Attack("nested_userns", "no nested user namespace (no capabilities, no uncapped tmpfs inside one)",
+           _SYSCALLS + """
+CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
+r, err = sys_call("unshare", CLONE_NEWUSER | CLONE_NEWNS)
+print("unshare(NEWUSER|NEWNS):", r, err)
+if r == 0:
+    print("ESCAPED created a user namespace")
+    try:
+        open("/proc/self/setgroups", "w").write("deny")
+        open("/proc/self/uid_map", "w").write("0 %d 1" % os.getuid())
+        os.makedirs("/tmp/mnt", exist_ok=True)
+        if libc.mount(b"none", b"/tmp/mnt", b"tmpfs", 0, b"size=1g") == 0:
+            with open("/tmp/mnt/fill", "wb") as f:
+                for _ in range(($disk_mb + $memory_mb) // 4 + 8):
+                    f.write(bytes(4 << 20))
+            print("ESCAPED wrote past disk_mb and memory_mb into a tmpfs of its own")
+    except OSError as e:
+        print("inside the namespace:", e)
+pid = os.fork()
+if pid == 0:
+    r, err = sys_call("clone", CLONE_NEWUSER | 17, 0, 0, 0, 0)  # 17 = SIGCHLD
+    if r == 0:
+        print("ESCAPED clone(CLONE_NEWUSER)", flush=True)
+        os._exit(0)
+    print("clone(NEWUSER):", r, err, flush=True)
+    if r > 0:
+        os.waitpid(r, 0)
+    os._exit(0)
+os.waitpid(pid, 0)
+try:
+    import subprocess
+    out = subprocess.run(["/usr/bin/unshare", "--user", "--map-root-user", "id", "-u"], capture_output=True, text=True)
+    if out.returncode == 0 and out.stdout.strip() == "0":
+        print("ESCAPED unshare(1) gave uid 0 in a new user namespace")
+    print("unshare(1):", out.returncode, out.stderr.strip()[:80])
+except OSError as e:
+    print("unshare(1):", e)
+"""),
+    Attack("keyring_leak", "the kernel keyring cannot carry data from one sandbox to the next", _SYSCALLS + """
+r, err = sys_call("add_key", b"user", b"agentenv-$marker", b"secret-$marker", 14, -4)  # -4: user keyring
+print("add_key:", r, err)
+if r > 0:
+    print("ESCAPED stored a key that outlives the sandbox")
+r, err = sys_call("keyctl", 0, -4, 0)  # KEYCTL_GET_KEYRING_ID of the user keyring
+print("keyctl:", r, err)
+""", then=_SYSCALLS + """
+r, err = sys_call("keyctl", 10, -4, b"user", b"agentenv-$marker", 0)  # KEYCTL_SEARCH the user keyring
+print("second sandbox keyctl search:", r, err)
+if r > 0:
+    print("ESCAPED a later sandbox found the earlier one's key")
+r, err = sys_call("request_key", b"user", b"agentenv-$marker", 0, 0)
+if r > 0:
+    print("ESCAPED request_key found the earlier sandbox's key")
+"""),
+    Attack("ptrace_sibling", "no process can trace or read the memory of another (ptrace, process_vm_readv)", """
+import ctypes, os, signal, time
+libc = ctypes.CDLL(None, use_errno=True)
+pid = os.fork()
+if pid == 0:
+    time.sleep(30)
+    os._exit(0)
+for name, req in (("PTRACE_ATTACH", 16), ("PTRACE_SEIZE", 0x4206)):
+    if libc.ptrace(req, pid, 0, 0) == 0:
+        print("ESCAPED", name, "of a sibling process")
+    else:
+        print("blocked", name, os.strerror(ctypes.get_errno()))
+class iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+buf = ctypes.create_string_buffer(64)
+local, remote = iovec(ctypes.cast(buf, ctypes.c_void_p), 64), iovec(0x400000, 64)
+if libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) > 0:
+    print("ESCAPED process_vm_readv of a sibling")
+else:
+    print("blocked process_vm_readv", os.strerror(ctypes.get_errno()))
+if libc.ptrace(16, $bystander_pid, 0, 0) == 0:
+    print("ESCAPED PTRACE_ATTACH of a host process")
+os.kill(pid, signal.SIGKILL)
+"""),
+    Attack("tiocsti", "no typing into a terminal (TIOCSTI), no controlling tty", """
+import fcntl, os, termios
+try:
+    fd = os.open("/dev/tty", os.O_RDWR)
+    print("ESCAPED opened a controlling tty")
+    fcntl.ioctl(fd, termios.TIOCSTI, b"x")
+    print("ESCAPED TIOCSTI into the controlling tty")
+except OSError as e:
+    print("blocked /dev/tty", e)
+for fd in (0, 1, 2):
+    try:
+        fcntl.ioctl(fd, termios.TIOCSTI, b"x")
+        print("ESCAPED TIOCSTI on fd", fd)
+    except OSError as e:
+        print("blocked TIOCSTI on fd", fd, e.strerror)
+try:
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSTI, b"x")
+    print("ESCAPED TIOCSTI allowed at all (even on a pty of its own)")
+except OSError as e:
+    print("blocked TIOCSTI on its own pty", e.strerror)
+"""),
+    Attack("abstract_unix", "no connection to the host's abstract unix sockets", """
+import socket
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect("\\0$abstract_name")
+    print("ESCAPED connected to the host's abstract socket")
+except OSError as e:
+    print("blocked", e)
+""", host_check=_no_abstract_connection),
+    Attack("dev_shm_fill", "/dev/shm and /dev cannot be filled (no uncapped tmpfs)", """
+total = 0
+chunk = bytes(1 << 20)
+for d in ("/dev/shm", "/dev", "/dev/pts"):
+    n = 0
+    try:
+        while total < ($disk_mb + $memory_mb + 64) << 20:
+            with open("%s/fill%d" % (d, n), "wb") as f:  # many files, each under the file-size limit
+                for _ in range($max_file_mb - 1):
+                    f.write(chunk)
+                    total += 1 << 20
+            n += 1
+    except OSError as e:
+        print("blocked", d, e.strerror, "after", total >> 20, "MB")
+if total > ($disk_mb + 8) << 20:
+    print("ESCAPED wrote", total >> 20, "MB outside the capped /tmp")
+"""),
+    Attack("fd_exhaustion", "open files are capped (RLIMIT_NOFILE: 15,000 fds)", """
+import os
+fds = []
+try:
+    while len(fds) < 15000:
+        fds.append(os.open("/dev/null", os.O_RDONLY))
+except OSError as e:
+    print("stopped at", len(fds), "open files:", e.strerror)
+if len(fds) >= 15000:
+    print("ESCAPED opened", len(fds), "files")
+"""),
 ]
 
 
@@ -281,19 +458,26 @@ class Target:
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
         self.bystander = subprocess.Popen(["sleep", "3600"])
+        self.abstract_name = "agentenv-bait-" + secrets.token_hex(6)
+        self.abstract = socket.socket(socket.AF_UNIX)
+        self.abstract.bind("\0" + self.abstract_name)
+        self.abstract.listen(8)
+        self.abstract.setblocking(False)
         self._old_env = os.environ.get(self.secret_env)
         os.environ[self.secret_env] = self.secret_value
 
-    def code(self, attack: Attack, limits: Limits, marker: str) -> str:
+    def code(self, attack: Attack, limits: Limits, marker: str, source: str | None = None) -> str:
         fill = dict(port=self.port, secret_file=self.secret_file, secret_value=self.secret_value,
                     host_dir=self.host_dir, bystander_pid=self.bystander.pid, marker=marker,
+                    abstract_name=self.abstract_name,
                     max_processes=limits.max_processes, memory_mb=limits.memory_mb, disk_mb=limits.disk_mb,
                     max_file_mb=limits.max_file_mb)
         return 'import os\nprint("RAN uid=%d" % os.getuid(), flush=True)\n' + \
-            string.Template(attack.code).substitute(fill)
+            string.Template(attack.code if source is None else source).substitute(fill)
 
     def close(self) -> None:
         self.listener.close()
+        self.abstract.close()
         self.bystander.kill()
         self.bystander.wait()
         shutil.rmtree(self.secret_dir, ignore_errors=True)
@@ -355,10 +539,16 @@ def judge(sandbox, attack: Attack, target: Target, base: Limits = LIMITS) -> Ver
     meter.start()
     try:
         r = sandbox.run(target.code(attack, limits, marker), limits)
+        if attack.then is not None:  # a fresh sandbox: what can it still see of the first one?
+            r2 = sandbox.run(target.code(attack, limits, marker, attack.then), limits)
+            r.stdout += r2.stdout
+            r.stderr += r2.stderr
+            if not r2.stdout.startswith("RAN uid="):
+                r.stdout += "SECOND RUN DID NOT RUN\n"
     finally:
         meter.stop.set()
         meter.join()
-    problems = []
+    problems = ["the second sandbox did not run"] if "SECOND RUN DID NOT RUN" in r.stdout else []
     ran = [line for line in r.stdout.splitlines() if line.startswith("RAN uid=")]
     if not ran:
         problems.append(f"the attack did not run (exit {r.exit_code}): {r.stderr[-300:]!r}")

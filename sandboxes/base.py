@@ -6,11 +6,14 @@ Contract:
   (``rfds``/``wfd``/``read``/``write``/``wait``/``kill``/``oom_killed``, see :mod:`agentenv.sandboxes.process`)
   running :mod:`agentenv.sandboxes._runner` in ``mode`` ``"once"`` or ``"session"``.
 * ``Sandbox.run(code)`` starts a fresh process per call, runs ``code`` like ``python file.py`` and always kills the
-  whole tree before returning.
+  whole tree before returning. ``timeout_s`` and ``wall_time_s`` count from the moment the process was started
+  (bubblewrap: ~15 ms before; a container engine: up to seconds).
 * ``Sandbox.session()`` returns a :class:`Session`: one interpreter whose globals survive between ``run`` calls,
   which behave like notebook cells (a trailing expression is echoed with its repr; ``sys.exit`` ends only the cell).
   A call that times out or kills the interpreter (crash, ``os._exit``, CPU limit) kills the tree and starts a fresh
   interpreter at once; that call's result has ``session_restarted=True``: every earlier definition is gone.
+  Between cells the interpreter's whole tree is frozen where the backend can (a cgroup freezer): a thread left
+  running by a cell gets no CPU until the next cell starts.
   ``run(limits=...)`` on a session may change ``timeout_s``, ``cpu_s`` and ``max_output_bytes`` per call; the
   process-wide limits are fixed when the interpreter starts.
 * Sessions die with ``close()``, with their sandbox's ``close()``, when garbage-collected, and at interpreter exit.
@@ -35,9 +38,10 @@ _PER_CALL = {"timeout_s", "cpu_s", "max_output_bytes"}
 
 
 def runner_args(mode: str, limits: Limits) -> list[str]:
-    """The runner's argv after ``-c SOURCE``: mode, address space, CPU seconds, processes, largest file (bytes)."""
+    """The runner's argv after ``-c SOURCE``: mode, address space, CPU seconds, processes, largest file (bytes),
+    open files."""
     return [mode, str(limits.memory_mb << 20), str(math.ceil(limits.cpu_s)), str(limits.max_processes),
-            str(limits.max_file_mb << 20)]
+            str(limits.max_file_mb << 20), str(limits.max_open_files)]
 
 
 def _check_code(code) -> bytes:
@@ -52,9 +56,10 @@ def _cell(code: str, nonce: bytes, limits: Limits) -> bytes:
 
 
 def _result(out: Sink, err: Sink, code, timed_out, exc: bytes, proc, started, backend) -> ExecResult:
+    oom = proc.oom_killed  # read every time: a cgroup reports each OOM kill once
     return ExecResult(
         stdout=out.text(), stderr=err.text(), exit_code=code, timed_out=timed_out,
-        memory_exceeded=exc == b"MemoryError" or proc.oom_killed,
+        memory_exceeded=exc == b"MemoryError" or oom,
         cpu_exceeded=code == 128 + signal.SIGXCPU,
         output_truncated=bool(out.dropped or err.dropped),
         wall_time_s=time.monotonic() - started, backend=backend)
@@ -85,11 +90,11 @@ class Sandbox:
         limits = self._limits(limits)
         nonce = secrets.token_hex(8).encode()
         payload = _cell(code, nonce, limits)
-        started = time.monotonic()
-        deadline = started + limits.timeout_s
         tag = b"\0\x1eAE" + nonce
         out, err = Sink(limits.max_output_bytes, tag), Sink(limits.max_output_bytes, tag)
         proc = self._start("once", limits)
+        started = time.monotonic()  # the code's time starts now: a slow engine's container start is not its fault
+        deadline = started + limits.timeout_s
         try:
             state = pump(proc, payload, deadline, out, err, stop_on_markers=False)
             code = proc.wait(deadline - time.monotonic()) if state == "eof" else None
@@ -165,8 +170,13 @@ class Session:
             deadline = started + limits.timeout_s
             tag = b"\0\x1eAE" + nonce
             out, err = Sink(limits.max_output_bytes, tag), Sink(limits.max_output_bytes, tag)
+            thaw = getattr(proc, "thaw", None)
+            if thaw is not None:
+                thaw()
             state = pump(proc, payload, deadline, out, err, stop_on_markers=True)
             if state == "done":
+                if thaw is not None:
+                    proc.freeze()  # no CPU for threads the cell left behind until the next cell
                 _, code, exc = out.status.split(b":", 2) if out.status.count(b":") >= 2 else (b"", b"1", b"")
                 return _result(out, err, int(code) if code.isdigit() else 1, False, exc, proc, started,
                                self.sandbox.name)

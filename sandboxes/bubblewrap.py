@@ -14,10 +14,21 @@ What each sandboxed process gets (and how):
   writable place. No ``/etc``, ``/home``, ``/root`` or host ``/tmp``. The environment is replaced, not inherited.
 * The host is root here, and root ignores RLIMIT_NPROC, so inside the namespaces ``setpriv`` drops to an
   unprivileged uid/gid with no groups, no capabilities (bounding set emptied) and no-new-privs, before the runner
-  sets its rlimits (see :mod:`agentenv.sandboxes._runner`). By default every live sandbox process gets its *own*
-  uid from ``UID_BASE`` upwards instead of sharing ``nobody`` (65534): RLIMIT_NPROC counts processes per uid, so
-  with a shared uid one fork bomb would exhaust every other sandbox's process budget. Pass ``uid=65534`` to share.
-  When the host is not root, bwrap maps the caller to uid 65534 in a user namespace instead (no setpriv needed).
+  sets its rlimits (see :mod:`agentenv.sandboxes._runner`). Every sandbox process gets its *own* uid, and a uid is
+  never handed out twice by one host process (a counter from a random start in a 2**30-wide range, so two host
+  processes overlap with negligible probability): RLIMIT_NPROC counts processes per uid, so with a shared uid one
+  fork bomb would exhaust every other sandbox's budget, and the kernel keyring is per uid and outlives the
+  sandbox. Pass ``uid=65534`` to share one uid. When the host is not root, bwrap maps the caller to uid 65534 in
+  a user namespace instead (no setpriv needed) with ``--disable-userns`` (no nested user namespaces).
+* A seccomp filter (:mod:`.seccomp_filter`, ``--seccomp FD``) denies new namespaces (so no nested user namespace
+  and no uncapped tmpfs mounted inside one), mounts, the kernel keyring, ptrace, bpf, perf, userfaultfd,
+  io_uring, module loading, TIOCSTI and the rest of Docker's default denials.
+* A cgroup per sandboxed process tree (:mod:`.cgroups`): ``Limits.memory_mb`` also caps the tree's *total*
+  memory, counting shared memory (memfd), tmpfs files and page cache, with no swap; ``pids.max`` caps its tasks
+  (``max_processes`` plus bwrap's own); its CPU rate is capped at ``cpus`` cores; ``memory_exceeded`` comes from
+  the group's OOM counter. A session is frozen between cells, so a thread that ignores SIGXCPU burns no CPU
+  while no cell runs. Where cgroups or the seccomp filter are unavailable the sandbox still runs, after a loud
+  warning (``cgroups=False`` / ``seccomp=False`` turn them off; ``True`` makes their absence an error).
 * The interpreter is the system ``/usr/bin/python3`` run as ``-S -I`` (no site, no user paths, no PYTHON* env),
   because ``/root/.pyenv`` is not reachable by an unprivileged uid. Any other interpreter must be readable and
   executable by "others" all along its path, and bind its prefix via ``ro_binds``.
@@ -26,43 +37,40 @@ What each sandboxed process gets (and how):
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import secrets
 import shutil
 import stat
 import threading
+import warnings
 
+from agentenv.sandboxes import cgroups as cgroups_mod
+from agentenv.sandboxes import seccomp_filter
 from agentenv.sandboxes.base import RUNNER_SOURCE, Sandbox, runner_args
 from agentenv.sandboxes.limits import Limits
 from agentenv.sandboxes.process import PipeProc
 
-UID_BASE, UID_SPAN = 200_000, 50_000
+log = logging.getLogger(__name__)
+UID_BASE, UID_SPAN = 1 << 20, 1 << 30  # uids 1,048,576 .. 2**30 + 2**20: clear of system and login users
 ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 
 
+class SeccompUnavailableWarning(UserWarning):
+    """Sandboxes run without the seccomp filter (libseccomp's Python binding is missing)."""
+
+
 class _UidAllocator:
-    """Round-robin so a just-freed uid (whose dying processes may still count for a moment) is not reused at once."""
+    """Hands out each uid once per host process: a key or a dying process of an old sandbox never meets a new one."""
 
     def __init__(self, base: int, span: int):
         self.base, self.span = base, span
-        self.used: set[int] = set()
-        self.next = itertools.count(os.getpid() * 97)  # other host processes start elsewhere in the range
+        self.next = itertools.count(secrets.randbelow(span))  # other host processes start elsewhere in the range
         self.lock = threading.Lock()
 
     def take(self) -> int:
         with self.lock:
-            for _ in range(self.span):
-                uid = self.base + next(self.next) % self.span
-                if uid not in self.used:
-                    self.used.add(uid)
-                    return uid
-        raise RuntimeError(f"all {self.span} sandbox uids are in use")
-
-    def give(self, uid: int) -> None:
-        with self.lock:
-            self.used.discard(uid)
-
-
-_uids = _UidAllocator(UID_BASE, UID_SPAN)
+            return self.base + next(self.next) % self.span
 
 
 def _reachable_by_others(path: str) -> bool:
@@ -87,29 +95,31 @@ def _mount_args() -> list[str]:
     return args
 
 
-class _BwrapProc(PipeProc):
-    def __init__(self, argv, env, uid):
-        self.uid = uid
-        try:
-            super().__init__(argv, env)
-        except BaseException:
-            if uid is not None:
-                _uids.give(uid)
-            raise
+_uids = _UidAllocator(UID_BASE, UID_SPAN)
 
-    def kill(self):
-        super().kill()
-        if self.uid is not None:
-            _uids.give(self.uid)
-            self.uid = None
+
+def _feature(wanted: bool | None, available: bool, what: str, why: str | None, category) -> bool:
+    """Use a hardening layer if available; None = warn loudly when it is not, True = refuse to run without it."""
+    if wanted is False or available:
+        return bool(wanted is not False and available)
+    msg = f"bubblewrap backend: running WITHOUT {what} ({why})"
+    if wanted:
+        raise RuntimeError(msg)
+    warnings.warn(msg, category, stacklevel=4)
+    log.warning(msg)
+    return False
 
 
 class BubblewrapSandbox(Sandbox):
     name = "bubblewrap"
 
     def __init__(self, limits: Limits | None = None, *, python: str | None = None, uid: int | None = None,
-                 ro_binds: tuple[str, ...] = (), bwrap: str | None = None):
+                 ro_binds: tuple[str, ...] = (), bwrap: str | None = None, cpus: float = 1.0,
+                 cgroups: bool | None = None, seccomp: bool | None = None):
         super().__init__(limits)
+        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
+            raise ValueError(f"cpus must be a positive number of cores, got {cpus!r}")
+        self.cpus = float(cpus)
         self.bwrap = bwrap or shutil.which("bwrap")
         if not self.bwrap:
             raise RuntimeError("bubblewrap backend: `bwrap` not found; install it with `apt-get install -y bubblewrap`")
@@ -132,26 +142,49 @@ class BubblewrapSandbox(Sandbox):
             raise ValueError(f"uid must be a positive int (not root), got {uid!r}")
         self.fixed_uid = uid
         self.ro_binds = tuple(ro_binds)
+        self.cgroups = cgroups_mod.manager() if cgroups is not False else None
+        if not _feature(cgroups, self.cgroups is not None, "cgroups (only per-process rlimits bound memory)",
+                        cgroups_mod.UNAVAILABLE, cgroups_mod.CgroupUnavailableWarning):
+            self.cgroups = None
+        self.seccomp = seccomp_filter.bpf() if seccomp is not False else None
+        if not _feature(seccomp, self.seccomp is not None, "a seccomp filter", seccomp_filter.UNAVAILABLE,
+                        SeccompUnavailableWarning):
+            self.seccomp = None
 
-    def argv(self, mode: str, limits: Limits, uid: int) -> list[str]:
+    def argv(self, mode: str, limits: Limits, uid: int, seccomp_fd: int | None = None) -> list[str]:
         ns = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
               "--hostname", "sandbox", "--die-with-parent", "--new-session"]
         if self.as_root:
             drop = ["--", self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
                     "--bounding-set=-all", "--no-new-privs"]
         else:
-            ns = ["--unshare-user", "--uid", "65534", "--gid", "65534", "--cap-drop", "ALL", *ns]
+            ns = ["--unshare-user", "--uid", "65534", "--gid", "65534", "--disable-userns", "--cap-drop", "ALL", *ns]
             drop = ["--"]
         mounts = _mount_args()
         for b in self.ro_binds:
             mounts += ["--ro-bind", b, b]
         mounts += ["--proc", "/proc", "--dev", "/dev",
                    "--perms", "1777", "--size", str(limits.disk_mb << 20), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+        if seccomp_fd is not None:
+            ns += ["--seccomp", str(seccomp_fd)]
         return [self.bwrap, *ns, *mounts, *drop,
                 self.python, "-S", "-I", "-c", RUNNER_SOURCE, *runner_args(mode, limits)]
 
     def _start(self, mode: str, limits: Limits) -> PipeProc:
-        uid = None
-        if self.as_root:
-            uid = self.fixed_uid if self.fixed_uid is not None else _uids.take()
-        return _BwrapProc(self.argv(mode, limits, uid or 65534), dict(ENV), uid if self.fixed_uid is None else None)
+        uid = (self.fixed_uid or _uids.take()) if self.as_root else 65534
+        group = fd = None
+        try:
+            if self.cgroups is not None:
+                group = self.cgroups.create(limits.memory_mb << 20, limits.max_processes + cgroups_mod.EXTRA_PIDS,
+                                            self.cpus)
+            if self.seccomp is not None:
+                fd = seccomp_filter.program_fd(self.seccomp)
+            return PipeProc(self.argv(mode, limits, uid, fd), dict(ENV), cgroup=group,
+                            pass_fds=(fd,) if fd is not None else (), rest_tasks=cgroups_mod.REST_TASKS)
+        except BaseException:
+            if group is not None:
+                group.destroy()
+            raise
+        finally:
+            if fd is not None:
+                os.close(fd)

@@ -27,7 +27,8 @@ def add_subcommands(subparsers) -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run FILE.py in a fresh sandbox and print the result as one JSON object")
     r.add_argument("--backend", default="bubblewrap", choices=BACKENDS)
     r.add_argument("--timeout", type=float, default=Limits.timeout_s, metavar="S", help="wall-clock seconds")
-    r.add_argument("--memory-mb", type=int, default=Limits.memory_mb, metavar="M", help="address space per process")
+    r.add_argument("--memory-mb", type=int, default=Limits.memory_mb, metavar="M",
+                   help="memory: address space per process, and the whole sandbox's where it has a cgroup")
     r.add_argument("file", metavar="FILE.py")
     r.set_defaults(func=cmd_run)
     c = sub.add_parser("check", help="attack the sandbox with hostile code and list which guarantees hold")

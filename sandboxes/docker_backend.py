@@ -1,11 +1,20 @@
 """The ``docker`` backend: one container per fresh run or session, driven through the Docker SDK for Python.
 
-Each container gets ``network_mode=none``, a memory cgroup limit with no extra swap, a CPU quota (``cpus``), a pids
-limit (``Limits.max_processes``, the per-container process cap; the runner's RLIMIT_NPROC is left open here
-because without user namespaces it would count every container's processes of the same uid), a read-only root,
-a size-capped tmpfs ``/tmp`` (``Limits.disk_mb``) as the only writable place, ``no-new-privileges``, all
-capabilities dropped, an unprivileged user (65534 by default), no logging driver (output only travels over the
-attach stream, capped by the host) and an empty environment. The image is configurable and needs a ``python3``.
+Each container gets an init process (``init=True``: the runner is not PID 1, which would ignore the kernel's
+SIGXCPU and so the CPU limit), ``network_mode=none``, a memory cgroup limit with no extra swap, a CPU quota
+(``cpus``), a pids limit (``Limits.max_processes``, the per-container process cap; the runner's RLIMIT_NPROC is
+asked to be open here, because without user namespaces it would count every container's processes of the same
+uid, and the runner never sets it above the container's hard limit), a read-only root, a size-capped tmpfs
+``/tmp`` (``Limits.disk_mb``) as the only writable place (``/dev/shm`` is cut to 1 MB), ``no-new-privileges``,
+all capabilities dropped, an unprivileged user (65534 by default), no logging driver (output only travels over the
+attach stream, capped by the host) and an empty environment. The seccomp profile is the bubblewrap backend's
+(:func:`.seccomp_filter.docker_profile`: the same denials, Docker's default ones included, and unlike Docker's
+default also ``ptrace`` and ``process_vm_*``), so both backends deny the same calls. The memory cgroup counts
+shared memory and tmpfs, and the container's ``OOMKilled`` sets ``memory_exceeded``.
+
+The image is configurable and needs a ``python3``. By default: ``$AGENTENV_DOCKER_IMAGE`` if set, else the first of
+:data:`DEFAULT_IMAGES` the engine already has (``scripts/ci_docker.sh`` builds ``agentenv-python:3.11`` offline
+from the host's interpreter), else ``python:3.11-slim`` (which the engine then pulls).
 
 Code and output travel over one attach socket (Docker multiplexes stdout/stderr in 8-byte-header frames, decoded
 by :func:`demux`). Killing = ``remove(force=True)``, which takes every process in the container with it.
@@ -14,14 +23,33 @@ Containers carry the label ``agentenv.sandbox=1`` so leftovers from a crashed ho
 
 from __future__ import annotations
 
+import json
+import os
 import select
+import socket
 import struct
 
 from agentenv.sandboxes.base import RUNNER_SOURCE, Sandbox, runner_args
+from agentenv.sandboxes.seccomp_filter import docker_profile
 from agentenv.sandboxes.limits import Limits
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 LABEL = "agentenv.sandbox"
+DEFAULT_IMAGES = ("python:3.11-slim", "agentenv-python:3.11")
+_PROFILE = json.dumps(docker_profile(), separators=(",", ":"))
+
+
+def default_image(client) -> str:
+    """``$AGENTENV_DOCKER_IMAGE``, else the first of :data:`DEFAULT_IMAGES` present locally, else the first one."""
+    if os.environ.get("AGENTENV_DOCKER_IMAGE"):
+        return os.environ["AGENTENV_DOCKER_IMAGE"]
+    for name in DEFAULT_IMAGES:
+        try:
+            client.images.get(name)
+            return name
+        except Exception:  # docker.errors.ImageNotFound, or an API error: try the next one
+            continue
+    return DEFAULT_IMAGES[0]
 
 
 def demux(buf: bytearray) -> list[tuple[int, bytes]]:
@@ -45,10 +73,12 @@ def container_config(image: str, python: str, mode: str, limits: Limits, cpus: f
     args = runner_args(mode, limits.replace(max_processes=1 << 20))  # pids_limit is the process cap here
     return dict(
         image=image, command=[python, "-S", "-I", "-c", RUNNER_SOURCE, *args], stdin_open=True, tty=False,
-        detach=True, network_mode="none", mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
+        detach=True, init=True, network_mode="none",
+        mem_limit=f"{limits.memory_mb}m", memswap_limit=f"{limits.memory_mb}m",
         nano_cpus=int(cpus * 1e9), pids_limit=limits.max_processes, read_only=True,
         tmpfs={"/tmp": f"rw,nosuid,nodev,size={limits.disk_mb}m,mode=1777"},
-        security_opt=["no-new-privileges"], cap_drop=["ALL"], user=user, working_dir="/tmp",
+        shm_size="1m",  # Docker's default /dev/shm is a 64 MB tmpfs beside /tmp: room for semaphores only
+        security_opt=["no-new-privileges", "seccomp=" + _PROFILE], cap_drop=["ALL"], user=user, working_dir="/tmp",
         environment=dict(ENV), ulimits=[Ulimit(name="core", soft=0, hard=0)],
         log_config=LogConfig(type="none"), labels={LABEL: "1"})
 
@@ -103,21 +133,29 @@ class DockerProc:
         if self._gone:
             return
         self._gone = True
+        # Close our end of the attach stream first: an engine still copying a flood of output into a socket nobody
+        # reads would otherwise hold the container's removal until the client's timeout.
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        try:
+            self.container.kill()
+        except Exception:  # it already exited (docker.errors.APIError 409)
+            pass
         try:
             self.container.reload()
             self.oom_killed = bool(self.container.attrs["State"].get("OOMKilled"))
         except Exception:
             pass
-        try:
-            self.container.remove(force=True)
-        finally:
-            self.sock.close()
+        self.container.remove(force=True)
 
 
 class DockerSandbox(Sandbox):
     name = "docker"
 
-    def __init__(self, limits: Limits | None = None, *, image: str = "python:3.11-slim", python: str = "python3",
+    def __init__(self, limits: Limits | None = None, *, image: str | None = None, python: str = "python3",
                  cpus: float = 1.0, user: str = "65534:65534", client=None):
         super().__init__(limits)
         try:
@@ -127,11 +165,12 @@ class DockerSandbox(Sandbox):
         if not cpus > 0:
             raise ValueError(f"cpus must be > 0, got {cpus!r}")
         try:
-            self.client = client or docker.from_env(timeout=10)
+            self.client = client or docker.from_env(timeout=120)  # a vfs engine under load can take seconds per call
             self.client.ping()
         except Exception as e:
             raise RuntimeError(f"docker backend: no Docker engine answers ({type(e).__name__}: {e})") from None
-        self.image, self.python, self.cpus, self.user = image, python, cpus, user
+        self.image = image or default_image(self.client)
+        self.python, self.cpus, self.user = python, cpus, user
 
     def _start(self, mode: str, limits: Limits) -> DockerProc:
         return DockerProc(self.client, container_config(self.image, self.python, mode, limits, self.cpus, self.user))

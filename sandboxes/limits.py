@@ -5,8 +5,10 @@ Contract:
 * ``Limits`` is immutable and validated on construction; every backend enforces every field (how, per backend, is
   documented in that backend's module). ``timeout_s`` is wall-clock and always kills the whole process tree;
   ``cpu_s``, ``memory_mb`` (address space, per process), ``max_processes``, ``max_file_mb`` (largest single file)
-  are kernel rlimits; ``disk_mb`` is the size of the private writable ``/tmp``; ``max_output_bytes`` caps stdout
-  and stderr separately, while reading, and marks the cut with :data:`TRUNCATION_MARKER`.
+  and ``max_open_files`` are kernel rlimits (a backend with a cgroup also caps the whole tree's memory, shared
+  memory and tmpfs included, at ``memory_mb``, and its task count); ``disk_mb`` is the size of the private
+  writable ``/tmp``; ``max_output_bytes`` caps stdout and stderr separately, while reading, and marks the cut
+  with :data:`TRUNCATION_MARKER`.
 * ``ExecResult`` is a plain record: decoded stdout/stderr (UTF-8, invalid bytes replaced), the exit code in shell
   convention (``128 + N`` when killed by signal N, on every backend), one flag per limit that was hit, and wall time.
   ``ok`` means exit 0 and no limit hit.
@@ -29,13 +31,15 @@ class Limits:
     max_output_bytes: int = 65536
     max_file_mb: int = 16
     disk_mb: int = 64
+    max_open_files: int = 1024
 
     def __post_init__(self):
         for name in ("timeout_s", "cpu_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"Limits.{name} must be a positive number of seconds, got {v!r}")
-        floors = {"memory_mb": 32, "max_processes": 1, "max_output_bytes": 1, "max_file_mb": 1, "disk_mb": 1}
+        floors = {"memory_mb": 32, "max_processes": 1, "max_output_bytes": 1, "max_file_mb": 1, "disk_mb": 1,
+                  "max_open_files": 16}
         for name, floor in floors.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < floor:

@@ -10,6 +10,10 @@ Contract:
 * All processes are started from one long-lived spawner thread. Both bubblewrap's ``--die-with-parent`` and
   ``PR_SET_PDEATHSIG`` fire when the *thread* that forked the child exits, so a session opened inside a short-lived
   worker thread would otherwise die with that thread.
+* With a :class:`~agentenv.sandboxes.cgroups.Cgroup` the child joins it before ``exec`` (every process of the
+  tree is then counted and limited by it), ``kill()`` also kills every task left in it and removes it, and
+  ``oom_killed`` reads its OOM counter (True once per OOM kill since it was last read). ``freeze()``/``thaw()``
+  stop and resume the whole tree (sessions are frozen between cells); without a cgroup they do nothing.
 * The same read/write/kill/wait interface is implemented by the docker backend's container handle;
   :mod:`agentenv.sandboxes.channel` only talks to that interface.
 """
@@ -46,9 +50,15 @@ def exit_code(returncode: int | None) -> int | None:
 
 
 class PipeProc:
-    def __init__(self, argv: list[str], env: dict[str, str], cwd: str | None = None):
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str | None = None, cgroup=None,
+                 pass_fds: tuple[int, ...] = (), rest_tasks: int = 1):
+        self.cgroup = cgroup
+        self.rest_tasks = rest_tasks
+        if cgroup is not None:
+            argv = cgroup.join_argv(argv)
         self.popen = _spawn(subprocess.Popen, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True, close_fds=True)
+                            stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True, close_fds=True,
+                            pass_fds=pass_fds)
         self.pid = self.popen.pid
         self.wfd = self.popen.stdin.fileno()
         self._streams = {self.popen.stdout.fileno(): 1, self.popen.stderr.fileno(): 2}
@@ -60,7 +70,7 @@ class PipeProc:
         for fd in (self.wfd, *self.rfds):
             os.set_blocking(fd, False)
         self.mux = False  # separate pipes per stream: see channel.pump
-        self.oom_killed = False  # only a container engine can tell; RLIMIT_AS shows up as MemoryError instead
+        self._oom_at_kill = False
         with _lock:
             _live.add(self)
 
@@ -91,11 +101,33 @@ class PipeProc:
         except subprocess.TimeoutExpired:
             return None
 
+    @property
+    def oom_killed(self) -> bool:
+        """Did the cgroup's OOM killer kill a task since this was last read (RLIMIT_AS shows up as MemoryError)."""
+        if self.cgroup is None:
+            return False
+        if self.cgroup.destroyed:
+            seen, self._oom_at_kill = self._oom_at_kill, False
+            return seen
+        return self.cgroup.new_oom_kill()
+
+    def freeze(self) -> None:
+        """Between session cells: stop the tree if a cell left anything running besides the idle interpreter
+        (a ~2 us check; the freeze itself, ~0.3 ms, is paid only then)."""
+        if self.cgroup is not None and not self.cgroup.destroyed and self.cgroup.tasks() > self.rest_tasks:
+            self.cgroup.freeze()
+
+    def thaw(self) -> None:
+        if self.cgroup is not None and not self.cgroup.destroyed:
+            self.cgroup.thaw()
+
     def kill(self) -> None:
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        if self.cgroup is not None and not self.cgroup.destroyed:
+            self._oom_at_kill = self.cgroup.destroy()  # also the tasks that left the process group
         try:
             self.popen.wait(5)
         except subprocess.TimeoutExpired:  # the leader is in uninterruptible sleep; the registry retries at exit

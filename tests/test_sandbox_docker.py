@@ -1,5 +1,9 @@
-"""Docker backend: its hardening and stream decoding are checked offline; live runs need a Docker engine."""
+"""Docker backend: its hardening and stream decoding are checked offline; live runs need a Docker engine and a
+local Python image (``scripts/ci_docker.sh`` starts Debian's engine and builds one offline) and skip, saying why,
+without them."""
 
+import json
+import os
 import struct
 
 import pytest
@@ -7,7 +11,8 @@ import pytest
 from agentenv.sandboxes import Limits, make_sandbox
 
 docker = pytest.importorskip("docker", reason="the Docker SDK is not installed (pip install docker)")
-from agentenv.sandboxes.docker_backend import LABEL, container_config, demux  # noqa: E402
+from agentenv.sandboxes.attacks import ATTACKS, LIMITS, Target, judge  # noqa: E402
+from agentenv.sandboxes.docker_backend import LABEL, container_config, default_image, demux  # noqa: E402
 
 
 def _engine_error():
@@ -18,16 +23,41 @@ def _engine_error():
         return f"{type(e).__name__}: {e}"
 
 
+def _live_error():
+    """Why live Docker tests cannot run here, or None."""
+    why = _engine_error()
+    if why:
+        return f"no Docker engine answers ({why})"
+    client = docker.from_env(timeout=30)
+    image = default_image(client)
+    try:
+        client.images.get(image)
+    except Exception as e:  # noqa: BLE001 - ImageNotFound or an API error
+        return f"the image {image!r} is not present and no registry may be reachable: run scripts/ci_docker.sh ({e})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def live():
+    why = _live_error()
+    if why:
+        pytest.skip(why)
+
+
 def test_container_config_is_hardened():
     lim = Limits(memory_mb=300, max_processes=12, disk_mb=20)
     c = container_config("img:1", "python3", "session", lim, cpus=0.5, user="65534:65534")
     assert c["network_mode"] == "none" and c["read_only"] and c["cap_drop"] == ["ALL"]
-    assert c["security_opt"] == ["no-new-privileges"] and c["user"] == "65534:65534"
+    assert c["security_opt"][0] == "no-new-privileges" and c["user"] == "65534:65534"
+    profile = json.loads(c["security_opt"][1].removeprefix("seccomp="))
+    denied = {n for rule in profile["syscalls"] if "args" not in rule for n in rule["names"]}
+    assert {"ptrace", "keyctl", "add_key", "unshare", "mount", "bpf", "userfaultfd"} <= denied
     assert c["mem_limit"] == c["memswap_limit"] == "300m" and c["pids_limit"] == 12
-    assert c["nano_cpus"] == 500_000_000 and "size=20m" in c["tmpfs"]["/tmp"]
+    assert c["nano_cpus"] == 500_000_000 and "size=20m" in c["tmpfs"]["/tmp"] and c["shm_size"] == "1m"
     assert c["environment"]["HOME"] == "/tmp" and "SECRET" not in str(c["environment"])
     assert c["command"][:3] == ["python3", "-S", "-I"] and c["command"][5] == "session-mux"
     assert c["labels"] == {LABEL: "1"} and c["stdin_open"] and not c["tty"]
+    assert c["init"]  # the runner is not PID 1, which would ignore the kernel's SIGXCPU
 
 
 def test_demux_decodes_split_frames():
@@ -48,10 +78,7 @@ def test_no_engine_gives_a_clear_error():
 
 
 @pytest.mark.docker
-def test_live_docker_run_and_session():
-    why = _engine_error()
-    if why:
-        pytest.skip(f"no Docker engine answers ({why})")
+def test_live_docker_run_and_session(live):
     with make_sandbox("docker", limits=Limits(timeout_s=60)) as sb:
         r = sb.run("import os, socket\nprint(os.getuid())\ntry:\n    socket.create_connection(('1.1.1.1', 53), 2)\n"
                    "    print('net')\nexcept OSError:\n    print('no net')")
@@ -61,3 +88,36 @@ def test_live_docker_run_and_session():
             assert s.run("x + 22").stdout == "42\n"
             r = s.run("import time; time.sleep(30)", Limits(timeout_s=1))
             assert r.timed_out and r.session_restarted
+
+
+@pytest.fixture(scope="module")
+def docker_sandbox(live):
+    with make_sandbox("docker", limits=LIMITS) as sb:
+        yield sb
+
+
+@pytest.fixture(scope="module")
+def target():
+    t = Target(secret_dir="/root" if os.access("/root", os.W_OK) else None)
+    yield t
+    t.close()
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.name)
+def test_live_docker_contains_every_attack(docker_sandbox, target, attack):
+    v = judge(docker_sandbox, attack, target)
+    assert v.contained, f"{attack.guarantee}: {v.problems}\nstdout: {v.result.stdout[:500]}"
+
+
+@pytest.mark.docker
+def test_live_docker_leaves_no_container_behind(live):
+    client = docker.from_env(timeout=30)
+    with make_sandbox("docker", limits=LIMITS) as sb:
+        with sb.session() as s:
+            s.run("x = 1")
+            cid = s._proc.container.id
+        r = sb.run("import time; time.sleep(30)", LIMITS.replace(timeout_s=0.5))
+    assert r.timed_out
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(cid)
