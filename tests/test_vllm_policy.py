@@ -338,6 +338,17 @@ class _EngineActor:
         got = self.policy.load_weights(state_dict, version)
         return got, time.perf_counter() - t0
 
+    def failed_update(self, state_dict, version, prompt_ids):
+        """(the update's error, the version after it, the error of a generate call after it)."""
+        errors = []
+        for call in (lambda: self.policy.load_weights(state_dict, version), lambda: self.generate(prompt_ids, 4)):
+            try:
+                call()
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 -- reported to the driver, which asserts on it
+                errors.append(f"{type(e).__name__}: {e}")
+        return errors[0], self.policy.policy_version, errors[1]
+
     def generate(self, prompt_ids, max_new_tokens):
         g = self.policy.generate([GenerationRequest(prompt_ids, SamplingParams(temperature=1.0, top_k=20,
                                                                                max_new_tokens=max_new_tokens))])[0]
@@ -377,6 +388,13 @@ def test_ray_actor_engine_takes_published_weights(vpolicy, ref, base_state):
             diff = (torch.tensor(lps) - want).abs().max().item()
             print(f"\n[vllm ray actor] update {version}: load_weights {secs:.2f}s, max|dlogp| vs new weights {diff:.2e}")
             assert diff <= TOL
+        # A failure inside the engine (the tensor passes the name/shape checks; vLLM cannot copy a sparse tensor into
+        # its parameter): the version stays, and the policy refuses to sample from possibly half-loaded weights.
+        err, version_after, gen_err = ray.get(actor.failed_update.remote(
+            {"model.norm.weight": torch.ones(128).to_sparse()}, 99, prompt), timeout=600)
+        print(f"\n[vllm ray actor] failed update: {err}")
+        assert err is not None and version_after == len(updates)
+        assert gen_err is not None and "can no longer be used" in gen_err
     finally:
         ref.load_state_dict(base_state)
         if actor is not None:
