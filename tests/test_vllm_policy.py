@@ -258,7 +258,8 @@ def test_prefix_cache_does_not_leak_old_weights(vpolicy, ref, base_state):
 @pytest.mark.vllm
 @no_vllm
 def test_invalid_update_is_refused_before_the_engine_changes(vpolicy, ref, base_state):
-    """Another model's tensors, a wrong shape or a typo raise ValueError; version and engine weights stay as they were."""
+    """Another model's tensors, a wrong shape or a typo raise ValueError; version and engine weights stay as they
+    were."""
     from agentenv.tiny import TinyConfig, tiny_model
 
     prompt = prompts(vpolicy.tokenizer)[0]
@@ -386,7 +387,8 @@ def test_ray_actor_engine_takes_published_weights(vpolicy, ref, base_state):
             ref.load_state_dict(state)
             want = reference(ref, prompt, tokens, 1.0, 1.0, 20).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
             diff = (torch.tensor(lps) - want).abs().max().item()
-            print(f"\n[vllm ray actor] update {version}: load_weights {secs:.2f}s, max|dlogp| vs new weights {diff:.2e}")
+            print(f"\n[vllm ray actor] update {version}: load_weights {secs:.2f}s, "
+                  f"max|dlogp| vs new weights {diff:.2e}")
             assert diff <= TOL
         # A failure inside the engine (the tensor passes the name/shape checks; vLLM cannot copy a sparse tensor into
         # its parameter): the version stays, and the policy refuses to sample from possibly half-loaded weights.
