@@ -24,8 +24,22 @@
   (the worker's ``reload_weights``, called through ``collective_rpc``; on CPU followed by a re-pack of the GEMM
   handles vLLM 0.32 leaves stale, see :func:`_reload_on_worker`), drops the prefix cache (its KV blocks were computed
   by the old weights) and bumps ``policy_version``. It holds the same lock as :meth:`generate`, so a
-  generation never mixes two weight versions. A partial update must cover whole vLLM layers (q/k/v projections
-  together, gate/up together), because vLLM stores those fused.
+  generation never mixes two weight versions, and ``policy_version`` changes only after the engine holds every new
+  tensor. Names and shapes are checked against the checkpoint's safetensors headers BEFORE the engine is touched, so
+  a wrong state dict (another model, a typo) fails with the engine still on its old weights; a failure inside the
+  engine (weights possibly half-loaded) marks the policy unusable: every later call raises instead of sampling from
+  a mixture. A partial update must cover whole vLLM layers (q/k/v projections together, gate/up together), because
+  vLLM stores those fused.
+* Training: :class:`VLLMPolicyFactory` is the picklable ``make_policy(worker_index)`` for the training loop, in-process
+  (local backend) and inside a Ray actor, where the backend's ONE ``ray.put`` of the learner's state dict reaches
+  :meth:`load_weights` as CPU tensors (cast to the engine dtype by vLLM's loader as they are copied in).
+  ``VLLMPolicy.backend == "vllm"`` (recorded per trajectory as ``sampling.backend``).
+* Colocated learner (one GPU): :meth:`sleep` releases the engine's GPU memory for the learner step through vLLM's
+  sleep mode (level 1: weights offloaded to host memory, KV cache discarded; level 2: both discarded, the next
+  :meth:`load_weights` must then be a full state dict) and :meth:`wake_up` brings it back. :meth:`generate` waits
+  while the engine sleeps; :meth:`load_weights` while asleep first wakes the weights only. Where vLLM has no sleep
+  mode (vLLM 0.32: only CUDA, ROCm and XPU; ``enable_sleep_mode=True`` on CPU makes ``vllm.LLM`` raise "Sleep mode is
+  not supported on current platform") or it was not enabled, both are no-ops that log the reason once.
 
 On CPU the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the caller set it), which avoids the
 ``__main__`` guard multiprocessing needs and lets weight updates pass tensors without serialisation; vLLM's CPU
@@ -36,14 +50,25 @@ attention only supports head sizes 32, 64, 80, ... (the default 64x2 tiny model'
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
 import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from agentenv.policy import Generation, GenerationRequest
+
+log = logging.getLogger("agentenv.vllm")
+_LOGGED_ONCE: set[str] = set()
+_LOG_ONCE_LOCK = threading.Lock()
+SLEEP_LEVELS = (1, 2)
+# On CPU vLLM's "gpu_memory_utilization" is a share of host RAM claimed for the KV cache at start-up (and the start
+# fails when that much is not free); a fixed size is what a CPU run wants. Used when nothing else sets the size.
+CPU_DEFAULT_KV_CACHE_GB = 1.0
 
 INSTALL_HINT = (
     "the vLLM backend needs vLLM: on a CUDA machine `pip install 'agentenv[vllm]'`; on CPU run "
@@ -72,15 +97,21 @@ class VLLMPolicy:
 
     ``model`` is anything :func:`agentenv.models.resolve_model` accepts (``"tiny:128x2"``, a local checkpoint dir, an
     alias or hub id present in the local HF cache). Engine settings: ``dtype`` ("auto", "float32", "bfloat16", ...),
-    ``max_model_len``, ``seed``, ``enforce_eager`` (None = vLLM's default), ``gpu_memory_utilization`` (GPU only),
-    ``kv_cache_gb`` (KV-cache size; on CPU strongly advised: unset, vLLM's CPU worker claims
-    ``gpu_memory_utilization`` x the machine's RAM), ``max_num_seqs``; anything else goes to ``vllm.LLM`` via
+    ``max_model_len``, ``seed``, ``enforce_eager`` (None = vLLM's default), ``gpu_memory_utilization`` (GPU only: the
+    engine's share of the device, weights + KV cache; colocated with a learner it must leave the learner room),
+    ``kv_cache_gb`` (KV-cache size; on CPU it defaults to :data:`CPU_DEFAULT_KV_CACHE_GB` unless
+    ``VLLM_CPU_KVCACHE_SPACE`` is set, because vLLM's CPU worker would otherwise claim ``gpu_memory_utilization`` x
+    the machine's RAM), ``max_num_seqs``, ``tensor_parallel`` (GPUs per engine),
+    ``enable_sleep_mode`` / ``sleep_level`` (see :meth:`sleep`); anything else goes to ``vllm.LLM`` via
     ``engine_kwargs``.
     """
 
+    backend = "vllm"  # recorded by the runtime as trajectory.sampling["backend"]
+
     def __init__(self, model: str, *, name: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
                  seed: int = 0, enforce_eager: bool | None = None, gpu_memory_utilization: float = 0.9,
-                 kv_cache_gb: float | None = None, max_num_seqs: int | None = None,
+                 kv_cache_gb: float | None = None, max_num_seqs: int | None = None, tensor_parallel: int = 1,
+                 enable_sleep_mode: bool = False, sleep_level: int = 1,
                  stop_token_ids: Iterable[int] | None = None, policy_version: int = 0, **engine_kwargs):
         from transformers import AutoTokenizer
 
@@ -89,6 +120,13 @@ class VLLMPolicy:
         if engine_kwargs.get("logprobs_mode", "processed_logprobs") != "processed_logprobs":
             raise ValueError("VLLMPolicy needs logprobs_mode='processed_logprobs': behaviour log-probs must be those "
                              "of the distribution the sampler drew from")
+        if sleep_level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS} (1: offload weights, 2: discard them), "
+                             f"got {sleep_level!r}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
         engine_kwargs.pop("logprobs_mode", None)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         LLM, self._VSamplingParams, self._TokensPrompt = _import_vllm()
@@ -99,7 +137,15 @@ class VLLMPolicy:
         self.tokenizer = AutoTokenizer.from_pretrained(resolved.path, local_files_only=True)
         self.stop_token_ids = self._stop_ids(resolved.path, stop_token_ids)
         _check_cpu_head_size(resolved.path)
+        self._tied = bool(json.loads((Path(resolved.path) / "config.json").read_text()).get("tie_word_embeddings"))
+        self._shapes = checkpoint_shapes(resolved.path, tied=self._tied)  # None: no safetensors to check against
 
+        if sleep_level == 2 and self._shapes is None:
+            raise ValueError("sleep_level=2 discards the engine's weights, so every following update must be "
+                             "complete; that is checked against the checkpoint's safetensors files, and "
+                             f"{resolved.path} has none")
+        self.sleep_level = sleep_level
+        self.sleep_enabled, self._no_sleep_reason = _sleep_mode(enable_sleep_mode)
         kwargs = dict(model=resolved.path, tokenizer=resolved.path, dtype=dtype, seed=seed,
                       gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
                       max_logprobs=-1)  # -1: the full distribution can be asked for (entropies)
@@ -107,15 +153,28 @@ class VLLMPolicy:
             kwargs["max_model_len"] = max_model_len
         if enforce_eager is not None:
             kwargs["enforce_eager"] = enforce_eager
+        if kv_cache_gb is None and _cpu_kv_cache_unset(engine_kwargs):
+            kv_cache_gb = CPU_DEFAULT_KV_CACHE_GB
+            _log_once(f"vLLM on CPU: KV cache fixed at {CPU_DEFAULT_KV_CACHE_GB} GiB (pass kv_cache_gb to change it; "
+                      "gpu_memory_utilization would claim that share of the machine's RAM)")
         if kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
+        if tensor_parallel > 1:
+            kwargs["tensor_parallel_size"] = tensor_parallel
+        if self.sleep_enabled:
+            kwargs["enable_sleep_mode"] = True
         kwargs.update(engine_kwargs)
         self.llm = LLM(**kwargs)
         self.policy_version = policy_version
-        self._tied = bool(json.loads((Path(resolved.path) / "config.json").read_text()).get("tie_word_embeddings"))
-        self._lock = threading.Lock()
+        self.last_load_s = 0.0  # seconds the last load_weights spent (validation + engine reload + cache reset)
+        # One condition guards the engine: generate, load_weights, sleep and wake_up never overlap, and generate waits
+        # while the engine sleeps.
+        self._cond = threading.Condition()
+        self._asleep: set[str] = set()  # vLLM memory tags currently released ("weights", "kv_cache")
+        self._weights_discarded = False  # level-2 sleep: the engine's weights are gone until a full load_weights
+        self._broken: str | None = None  # why the engine can no longer be trusted (a failed in-engine weight load)
         self._rng = random.Random(seed)
 
     def _stop_ids(self, path: str, explicit: Iterable[int] | None) -> frozenset[int]:
@@ -132,30 +191,110 @@ class VLLMPolicy:
             raise ValueError("no end-of-turn token: the tokenizer has no eos_token_id and none was given")
         return frozenset(ids)
 
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"this vLLM engine can no longer be used: {self._broken}; build a new policy")
+
     # --- weights --------------------------------------------------------------------------------------------------
     def load_weights(self, weights: Mapping[str, "object"] | Iterable[tuple[str, "object"]],
                      version: int | None = None) -> int:
-        """Load HF-named tensors into the running engine in place; returns the new ``policy_version``."""
+        """Load HF-named tensors into the running engine in place; returns the new ``policy_version``.
+
+        Waits for a running :meth:`generate` to finish (never swaps weights inside one). ``policy_version`` is set
+        only once the engine holds every new tensor and its prefix cache is dropped. Invalid input (unknown names,
+        wrong shapes, an inconsistent tied head) raises ``ValueError`` with the engine untouched."""
+        t0 = time.perf_counter()
         named = dict(weights.items() if isinstance(weights, Mapping) else weights)
         if not named:
             raise ValueError("load_weights got no tensors")
         if self._tied and "lm_head.weight" in named and "model.embed_tokens.weight" in named:
             # HF state dicts list the tied matrix twice; vLLM would load both into the one shared parameter.
-            import torch
+            head, emb = named["lm_head.weight"], named["model.embed_tokens.weight"]
+            if head is not emb and head.data_ptr() != emb.data_ptr():  # the same storage needs no comparison
+                import torch
 
-            if not torch.equal(named["lm_head.weight"], named["model.embed_tokens.weight"]):
-                raise ValueError("the model ties lm_head to the input embedding, but the update gives them different values")
+                if not torch.equal(head, emb):
+                    raise ValueError("the model ties lm_head to the input embedding, but the update gives them "
+                                     "different values")
             del named["lm_head.weight"]
+        _check_against_checkpoint(named, self._shapes, self.model_path)
         pairs = [(n, t.detach()) for n, t in named.items()]
-        with self._lock:
-            self.llm.collective_rpc(_reload_on_worker, args=(pairs,))
-            # Cached prefix KV blocks were computed by the old weights; reusing them would mix versions.
-            if self.llm.reset_prefix_cache() is False:
-                raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        required = set(self._shapes or ()) - ({"lm_head.weight"} if self._tied else set())
+        full = self._shapes is not None and set(named) >= required
+        with self._cond:
+            self._check_usable()
+            if self._weights_discarded and not full:
+                raise ValueError("the engine's weights were discarded by a level-2 sleep: the next update must be a "
+                                 "full state dict (every checkpoint tensor), got a partial one")
+            try:
+                if "weights" in self._asleep:  # level 1 restores the old weights first; level 2 only reallocates
+                    self.llm.wake_up(tags=["weights"])
+                    self._asleep.discard("weights")
+                self.llm.collective_rpc(_reload_on_worker, args=(pairs,))
+                # Cached prefix KV blocks were computed by the old weights; reusing them would mix versions. A
+                # sleeping engine dropped its prefix cache when it fell asleep and has computed nothing since.
+                if not self._asleep and self.llm.reset_prefix_cache() is False:
+                    raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+            except BaseException as e:
+                self._broken = f"a weight update failed inside the engine ({type(e).__name__}: {e})"
+                self._cond.notify_all()
+                raise
+            self._weights_discarded = False
             self.policy_version = self.policy_version + 1 if version is None else version
+            self.last_load_s = time.perf_counter() - t0
             return self.policy_version
 
     update_weights = load_weights
+
+    # --- memory (colocated learner) -------------------------------------------------------------------------------
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def sleep(self) -> bool:
+        """Release the engine's GPU memory (KV cache, and weights per ``sleep_level``) for a learner step.
+
+        Waits for a running :meth:`generate`; later ``generate`` calls wait until :meth:`wake_up`. Returns True when
+        memory was released, False (a no-op; the reason logged once) where sleep mode is unavailable or disabled."""
+        if not self.sleep_enabled:
+            _log_once(f"vLLM sleep(): no-op, {self._no_sleep_reason}")
+            return False
+        with self._cond:
+            self._check_usable()
+            if self._asleep:
+                return True
+            try:
+                self.llm.sleep(level=self.sleep_level)
+            except BaseException as e:
+                self._broken = f"vLLM sleep(level={self.sleep_level}) failed ({type(e).__name__}: {e})"
+                self._cond.notify_all()
+                raise
+            self._asleep = {"weights", "kv_cache"}
+            self._weights_discarded = self.sleep_level == 2
+            return True
+
+    def wake_up(self) -> bool:
+        """Re-allocate what :meth:`sleep` released and let :meth:`generate` run again. Returns True when the engine
+        was asleep. After a level-2 sleep a full :meth:`load_weights` must come first (the weights were discarded)."""
+        if not self.sleep_enabled:
+            _log_once(f"vLLM wake_up(): no-op, {self._no_sleep_reason}")
+            return False
+        with self._cond:
+            self._check_usable()
+            if not self._asleep:
+                return False
+            if self._weights_discarded:
+                raise RuntimeError("wake_up after a level-2 sleep needs new weights first: the engine discarded its "
+                                   "weights; call load_weights(full_state_dict) before wake_up()")
+            try:
+                self.llm.wake_up(tags=sorted(self._asleep))
+            except BaseException as e:
+                self._broken = f"vLLM wake_up failed ({type(e).__name__}: {e})"
+                self._cond.notify_all()
+                raise
+            self._asleep = set()
+            self._cond.notify_all()
+            return True
 
     # --- sampling -------------------------------------------------------------------------------------------------
     def _vllm_params(self, r: GenerationRequest):
@@ -175,7 +314,9 @@ class VLLMPolicy:
         for r in requests:
             if not r.prompt_ids:
                 raise ValueError("empty prompt")
-        with self._lock:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._asleep or self._broken is not None)
+            self._check_usable()
             prompts = [self._TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
             params = [self._vllm_params(r) for r in requests]
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -222,6 +363,109 @@ class VLLMPolicy:
             raise RuntimeError(f"vLLM finished a request with {c.finish_reason!r} (aborted?)")
         return Generation(token_ids=tokens, logprobs=logprobs, stop_reason=stop_reason, policy_version=version,
                           entropies=entropies)
+
+
+@dataclass
+class VLLMPolicyFactory:
+    """Picklable ``make_policy(worker_index) -> VLLMPolicy`` for the training loop (the vLLM counterpart of
+    ``agentenv.trainer.async_loop.HFPolicyFactory``).
+
+    The local backend calls it once in the driver process; the Ray backend ships it to each rollout actor by value
+    and calls it there, so every field must pickle (strings and numbers only). Worker ``i`` samples with seed
+    ``seed + i``. ``gpu_memory_utilization`` is ``launch.vllm_gpu_memory_utilization``, ``enable_sleep_mode`` is
+    ``launch.vllm_sleep``, ``tensor_parallel`` is ``launch.vllm_tensor_parallel``. ``kv_cache_gb`` fixes the KV cache
+    instead (needed on CPU, where the fraction applies to host RAM). ``engine_kwargs`` go to ``vllm.LLM`` unchanged.
+    """
+
+    model: str = "tiny:128x2"
+    seed: int = 0
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.5
+    tensor_parallel: int = 1
+    enable_sleep_mode: bool = False
+    max_model_len: int | None = None
+    sleep_level: int = 1
+    kv_cache_gb: float | None = None
+    max_num_seqs: int | None = None
+    enforce_eager: bool | None = None
+    engine_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.sleep_level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep_level must be one of {SLEEP_LEVELS}, got {self.sleep_level!r}")
+
+    def __call__(self, worker_index: int = 0) -> VLLMPolicy:
+        return VLLMPolicy(self.model, dtype=self.dtype, seed=self.seed + worker_index,
+                          gpu_memory_utilization=self.gpu_memory_utilization, tensor_parallel=self.tensor_parallel,
+                          enable_sleep_mode=self.enable_sleep_mode, sleep_level=self.sleep_level,
+                          max_model_len=self.max_model_len, kv_cache_gb=self.kv_cache_gb,
+                          max_num_seqs=self.max_num_seqs, enforce_eager=self.enforce_eager, **self.engine_kwargs)
+
+
+def _log_once(message: str) -> None:
+    with _LOG_ONCE_LOCK:
+        if message in _LOGGED_ONCE:
+            return
+        _LOGGED_ONCE.add(message)
+    log.warning(message)
+
+
+def _cpu_kv_cache_unset(engine_kwargs: Mapping) -> bool:
+    from vllm.platforms import current_platform
+
+    return (current_platform.is_cpu() and engine_kwargs.get("kv_cache_memory_bytes") is None
+            and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"))
+
+
+def _sleep_mode(requested: bool) -> tuple[bool, str]:
+    """(use vLLM sleep mode, why not). Asked on a platform without it, the engine would refuse to start; here the
+    policy starts without it and :meth:`VLLMPolicy.sleep` says so once instead."""
+    if not requested:
+        return False, ("sleep mode is off (enable_sleep_mode=False / launch.vllm_sleep=false): the engine keeps its "
+                       "memory")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_sleep_mode_available():
+        return True, ""
+    return False, (f"vLLM has no sleep mode on the {current_platform.device_type or 'current'} platform (vLLM "
+                   f"supports it on CUDA, ROCm and XPU): the engine keeps its memory during the learner step")
+
+
+def checkpoint_shapes(path: str, *, tied: bool = False) -> dict[str, tuple[int, ...]] | None:
+    """HF tensor name -> shape, read from the checkpoint's safetensors headers (no tensor data is read); a tied
+    ``lm_head.weight`` (which ``save_pretrained`` does not store) is added with the embedding's shape. None when the
+    directory has no safetensors files (then only the engine checks names)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                shapes[k] = tuple(h.get_slice(k).get_shape())
+    if tied and "lm_head.weight" not in shapes and "model.embed_tokens.weight" in shapes:
+        shapes["lm_head.weight"] = shapes["model.embed_tokens.weight"]
+    return shapes
+
+
+def _check_against_checkpoint(named: Mapping, shapes: dict[str, tuple[int, ...]] | None, path: str) -> None:
+    if shapes is None:
+        return
+    unknown = sorted(set(named) - set(shapes))
+    if unknown:
+        raise ValueError(f"load_weights: {len(unknown)} tensor(s) the model at {path} does not have, e.g. "
+                         f"{unknown[:3]} (is this the state dict of another model?)")
+    wrong = [(n, tuple(t.shape), shapes[n]) for n, t in named.items() if tuple(t.shape) != shapes[n]]
+    if wrong:
+        n, got, want = wrong[0]
+        raise ValueError(f"load_weights: {len(wrong)} tensor(s) with the wrong shape, e.g. {n}: {got}, the model "
+                         f"has {want}")
 
 
 def _reload_on_worker(worker, pairs: list) -> None:

@@ -1,7 +1,11 @@
 """vLLM backend: the engine's processed log-probs equal an independent transformers forward pass.
 
-One engine per module (start-up on CPU is ~30-70 s). Its weights are switched with ``load_weights`` (itself under
-test), each time together with a transformers reference model holding the same tensors. The reference is ONE
+One engine per module (start-up on CPU is ~30-70 s), built the way the training loop builds it: through the picklable
+:class:`agentenv.vllm_policy.VLLMPolicyFactory`, with sleep mode requested (on CPU vLLM has none: the policy must
+still start, and ``sleep`` / ``wake_up`` are logged no-ops). Its weights are switched with ``load_weights`` (itself
+under test), each time together with a transformers reference model holding the same tensors. One more engine runs
+inside a Ray actor and receives its weights as the Ray backend publishes them (one ``ray.put``, the ref passed to
+the actor). The reference is ONE
 full-sequence forward in float32 (no KV cache, no batching) followed by :func:`agentenv.processing.processed_logprobs`
 (temperature, top-k, top-p renormalisation), which shares no code with vLLM.
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -31,14 +36,17 @@ EOS = 151645  # <|im_end|>
 
 
 # --- fixtures -----------------------------------------------------------------------------------------------------
+# tiny:128x2 (head size 32): vLLM's CPU attention has no kernel for the default tiny model's head size 16.
+ENGINE = dict(model="tiny:128x2", dtype="float32", max_model_len=2048, seed=0, enforce_eager=True, kv_cache_gb=1,
+              max_num_seqs=16)
+
+
 @pytest.fixture(scope="module")
 def vpolicy():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from agentenv.vllm_policy import VLLMPolicy
+    from agentenv.vllm_policy import VLLMPolicyFactory
 
-    # tiny:128x2 (head size 32): vLLM's CPU attention has no kernel for the default tiny model's head size 16.
-    p = VLLMPolicy("tiny:128x2", dtype="float32", max_model_len=2048, seed=0, enforce_eager=True,
-                   kv_cache_gb=1, max_num_seqs=16)
+    p = VLLMPolicyFactory(**ENGINE, enable_sleep_mode=True)(0)
     yield p
     del p.llm
 
@@ -247,6 +255,156 @@ def test_prefix_cache_does_not_leak_old_weights(vpolicy, ref, base_state):
         use_weights(vpolicy, ref, base_state)
 
 
+@pytest.mark.vllm
+@no_vllm
+def test_invalid_update_is_refused_before_the_engine_changes(vpolicy, ref, base_state):
+    """Another model's tensors, a wrong shape or a typo raise ValueError; version and engine weights stay as they
+    were."""
+    from agentenv.tiny import TinyConfig, tiny_model
+
+    prompt = prompts(vpolicy.tokenizer)[0]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6)
+    use_weights(vpolicy, ref, base_state)
+    v = vpolicy.policy_version
+    bigger = tiny_model(TinyConfig(hidden_size=256, num_hidden_layers=2, intermediate_size=1024, seed=2)).state_dict()
+    bad = [
+        (bigger, "wrong shape"),
+        ({"model.layers.0.mlp.gate_proj.weightt": base_state["model.layers.0.mlp.gate_proj.weight"]}, "does not have"),
+        ({**base_state, "lm_head.weight": base_state["lm_head.weight"] + 1.0}, "ties lm_head"),
+        ({}, "no tensors"),
+    ]
+    for weights, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            vpolicy.load_weights(weights)
+        assert vpolicy.policy_version == v
+    g = vpolicy.generate([GenerationRequest(prompt, sp)])[0]
+    want = reference(ref, prompt, g.token_ids, 1.0, 1.0, 0).gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0]
+    assert g.policy_version == v
+    assert (torch.tensor(g.logprobs) - want).abs().max().item() <= TOL  # still exactly the old weights
+
+
+@pytest.mark.vllm
+@no_vllm
+def test_sleep_and_wake_up(vpolicy, ref, base_state, caplog):
+    """Where vLLM has sleep mode, a sleeping engine takes a weight update and resumes on the new weights; where it has
+    none (CPU), both calls are no-ops whose reason is logged once and sampling is unaffected."""
+    import logging
+    import threading
+
+    from vllm.platforms import current_platform
+
+    prompt = prompts(vpolicy.tokenizer)[2]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6)
+    assert vpolicy.sleep_enabled == current_platform.is_sleep_mode_available()
+    if not vpolicy.sleep_enabled:
+        with caplog.at_level(logging.WARNING, logger="agentenv.vllm"):
+            assert vpolicy.sleep() is False and vpolicy.wake_up() is False
+            assert vpolicy.sleep() is False and vpolicy.wake_up() is False
+        notes = [r.getMessage() for r in caplog.records if r.name == "agentenv.vllm"]
+        assert len(notes) <= 2 and not vpolicy.is_sleeping  # once per call kind per process, never repeated
+        if notes:  # not yet logged by an earlier test in this process
+            assert "no sleep mode on the cpu platform" in notes[0]
+    scaled = dict(base_state)
+    scaled["model.embed_tokens.weight"] = scaled["lm_head.weight"] = base_state["model.embed_tokens.weight"] * 1.3
+    done = []
+    try:
+        vpolicy.sleep()
+        waiter = threading.Thread(target=lambda: done.append(vpolicy.generate([GenerationRequest(prompt, sp)])[0]))
+        waiter.start()
+        if vpolicy.sleep_enabled:
+            waiter.join(2.0)
+            assert not done and vpolicy.is_sleeping  # generate waits for wake_up
+        v = use_weights(vpolicy, ref, scaled)
+        vpolicy.wake_up()
+        waiter.join(120)
+        assert done and not vpolicy.is_sleeping
+        g = vpolicy.generate([GenerationRequest(prompt, sp)])[0]
+        for out in (g, *done) if vpolicy.sleep_enabled else (g,):
+            assert out.policy_version == v
+            want = reference(ref, prompt, out.token_ids, 1.0, 1.0, 0).gather(-1, torch.tensor(out.token_ids)[:, None])
+            assert (torch.tensor(out.logprobs) - want[:, 0]).abs().max().item() <= TOL
+    finally:
+        use_weights(vpolicy, ref, base_state)
+
+
+class _EngineActor:
+    """A Ray actor holding a factory-built engine; weight updates arrive as the Ray backend sends them (the ObjectRef of
+    one ray.put, resolved by Ray to the state dict) and go through the same ``load_weights``."""
+
+    def __init__(self, factory, worker_index):
+        self.policy = factory(worker_index)
+
+    def load_weights(self, state_dict, version):
+        t0 = time.perf_counter()
+        got = self.policy.load_weights(state_dict, version)
+        return got, time.perf_counter() - t0
+
+    def failed_update(self, state_dict, version, prompt_ids):
+        """(the update's error, the version after it, the error of a generate call after it)."""
+        errors = []
+        for call in (lambda: self.policy.load_weights(state_dict, version), lambda: self.generate(prompt_ids, 4)):
+            try:
+                call()
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 -- reported to the driver, which asserts on it
+                errors.append(f"{type(e).__name__}: {e}")
+        return errors[0], self.policy.policy_version, errors[1]
+
+    def generate(self, prompt_ids, max_new_tokens):
+        g = self.policy.generate([GenerationRequest(prompt_ids, SamplingParams(temperature=1.0, top_k=20,
+                                                                               max_new_tokens=max_new_tokens))])[0]
+        return g.token_ids, g.logprobs, g.policy_version, self.policy.backend
+
+
+@pytest.mark.vllm
+@pytest.mark.ray
+@no_vllm
+def test_ray_actor_engine_takes_published_weights(vpolicy, ref, base_state):
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'agentenv[ray]')")
+    import sys
+
+    from agentenv.tiny import TinyConfig, tiny_model
+    from agentenv.vllm_policy import VLLMPolicyFactory
+
+    prompt = prompts(vpolicy.tokenizer)[1]
+    updates = [chatty(base_state),
+               chatty(tiny_model(TinyConfig(hidden_size=128, num_hidden_layers=2, intermediate_size=512, seed=3))
+                      .state_dict())]
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # tests/ is not importable in a Ray worker: ship this module's actor class by value (the loop's own actor class,
+    # agentenv.trainer.ray_loop.RayRolloutWorker, is importable and goes by reference).
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    actor = None
+    try:
+        actor = ray.remote(_EngineActor).options(num_cpus=1).remote(VLLMPolicyFactory(**ENGINE), 1)
+        for version, state in enumerate(updates, start=1):
+            got, secs = ray.get(actor.load_weights.remote(ray.put(state), version), timeout=600)
+            tokens, lps, gen_version, backend = ray.get(actor.generate.remote(prompt, 12), timeout=600)
+            assert got == gen_version == version and backend == "vllm"
+            ref.load_state_dict(state)
+            want = reference(ref, prompt, tokens, 1.0, 1.0, 20).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+            diff = (torch.tensor(lps) - want).abs().max().item()
+            print(f"\n[vllm ray actor] update {version}: load_weights {secs:.2f}s, "
+                  f"max|dlogp| vs new weights {diff:.2e}")
+            assert diff <= TOL
+        # A failure inside the engine (the tensor passes the name/shape checks; vLLM cannot copy a sparse tensor into
+        # its parameter): the version stays, and the policy refuses to sample from possibly half-loaded weights.
+        err, version_after, gen_err = ray.get(actor.failed_update.remote(
+            {"model.norm.weight": torch.ones(128).to_sparse()}, 99, prompt), timeout=600)
+        print(f"\n[vllm ray actor] failed update: {err}")
+        assert err is not None and version_after == len(updates)
+        assert gen_err is not None and "can no longer be used" in gen_err
+    finally:
+        ref.load_state_dict(base_state)
+        if actor is not None:
+            ray.kill(actor)
+        if started:
+            ray.shutdown()
+
+
 # --- engine-free checks (run without vllm) ------------------------------------------------------------------------
 class _Flat:
     """The shape of vLLM's FlatLogprobs: per position [start, end) into flat token-id / log-prob lists."""
@@ -301,3 +459,35 @@ def test_missing_vllm_is_a_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(ImportError, match="install_vllm_cpu.sh"):
         vllm_policy._import_vllm()
+
+
+def test_factory_pickles_and_validates():
+    import pickle
+
+    from agentenv.vllm_policy import VLLMPolicyFactory
+
+    f = VLLMPolicyFactory("tiny:128x2", seed=3, dtype="bfloat16", gpu_memory_utilization=0.4, tensor_parallel=2,
+                          enable_sleep_mode=True, max_model_len=4096)
+    assert pickle.loads(pickle.dumps(f)) == f  # Ray ships it to each actor by value
+    for bad in (dict(gpu_memory_utilization=0.0), dict(gpu_memory_utilization=1.5), dict(tensor_parallel=0),
+                dict(sleep_level=3)):
+        with pytest.raises(ValueError):
+            VLLMPolicyFactory("tiny:128x2", **bad)
+
+
+def test_checkpoint_shapes_come_from_safetensors_headers():
+    from agentenv.models import resolve_model
+    from agentenv.tiny import TinyConfig, tiny_model
+    from agentenv.vllm_policy import _check_against_checkpoint, checkpoint_shapes
+
+    path = resolve_model("tiny:128x2").path
+    model = tiny_model(TinyConfig(hidden_size=128, num_hidden_layers=2, intermediate_size=512,
+                                  num_attention_heads=4, num_key_value_heads=2))
+    state = model.state_dict()
+    shapes = checkpoint_shapes(path, tied=bool(model.config.tie_word_embeddings))
+    assert shapes == {k: tuple(v.shape) for k, v in state.items()}  # every name the learner exports, nothing else
+    _check_against_checkpoint(state, shapes, path)
+    with pytest.raises(ValueError, match="wrong shape"):
+        _check_against_checkpoint({"model.norm.weight": torch.zeros(3)}, shapes, path)
+    with pytest.raises(ValueError, match="does not have"):
+        _check_against_checkpoint({"model.norm.weights": torch.zeros(128)}, shapes, path)
