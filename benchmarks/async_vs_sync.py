@@ -1,6 +1,6 @@
 """Async single-rollout vs synchronous groups (G = 8) under heavy-tailed env latency, through the REAL training loop.
 
-Both runs drive :class:`agentenv.trainer.async_loop.Trainer` (workers, dispatch, completion buffer, accounting,
+Both runs drive :class:`agentenv.trainer.loop.Trainer` (workers, dispatch, completion buffer, accounting,
 metrics) unchanged; the env and the learner are stand-ins so the measurement is about scheduling:
 
 * env: each step sleeps a lognormal latency (median ``--median-ms``, shape ``--sigma``; p99/p50 = exp(2.326 sigma),
@@ -34,7 +34,8 @@ from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
-from agentenv.trainer.async_loop import TrainConfig, Trainer
+from agentenv.config import LoopConfig
+from agentenv.trainer.loop import Trainer
 
 from agentenv.policy import SamplingParams
 from agentenv.runtime import RolloutConfig, Task
@@ -115,7 +116,7 @@ def policy_factory(args):
     if args.sampler == "instant":
         return InstantPolicy
     if args.sampler == "hf":
-        from agentenv.trainer.async_loop import HFPolicyFactory
+        from agentenv.trainer.backends import HFPolicyFactory
 
         return HFPolicyFactory(args.model, seed=0, device="cpu" if args.cpu else None, dtype="float32")
     from agentenv.vllm_policy import VLLMPolicyFactory
@@ -180,13 +181,13 @@ def model_weights(path: str) -> dict:
 
 def run(mode: str, args, make_policy, weights: dict) -> dict:
     slots = args.workers * args.concurrency
-    cfg = TrainConfig(mode=mode, batch_size=slots, group_size=args.group_size, queue_size=args.queue_size,
-                      num_workers=args.workers, concurrency=args.concurrency,
-                      total_updates=args.async_updates if mode == "async" else args.sync_updates,
-                      seed=0, poll_interval_s=0.002, episode_timeout_s=600.0,
-                      rollout=RolloutConfig(max_turns=args.turns + 1, max_total_tokens=args.max_total_tokens,
-                                            sampling=SamplingParams(max_new_tokens=args.max_new_tokens)))
-    tr = Trainer(cfg, make_env=lambda: SlowEnv(args.median_ms / 1000, args.sigma, args.turns),
+    cfg = LoopConfig(mode=mode, batch_size=slots, group_size=args.group_size if mode == "sync_grpo" else 1,
+                     queue_size=args.queue_size, num_workers=args.workers, concurrency=args.concurrency,
+                     total_updates=args.async_updates if mode == "async" else args.sync_updates,
+                     seed=0, poll_interval_s=0.002, episode_timeout_s=600.0)
+    rollout = RolloutConfig(max_turns=args.turns + 1, max_total_tokens=args.max_total_tokens,
+                            sampling=SamplingParams(max_new_tokens=args.max_new_tokens))
+    tr = Trainer(cfg, rollout=rollout, make_env=lambda: SlowEnv(args.median_ms / 1000, args.sigma, args.turns),
                  make_policy=make_policy, learner=SleepLearner(args.learner_s, weights),
                  tasks=[Task(seed=i) for i in range(4096)])
     s = tr.run()

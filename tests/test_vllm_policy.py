@@ -375,7 +375,7 @@ def test_ray_actor_engine_takes_published_weights(vpolicy, ref, base_state):
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     # tests/ is not importable in a Ray worker: ship this module's actor class by value (the loop's own actor class,
-    # agentenv.trainer.ray_loop.RayRolloutWorker, is importable and goes by reference).
+    # agentenv.trainer.ray_backend.RayRolloutWorker, is importable and goes by reference).
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     actor = None
     try:
