@@ -145,6 +145,7 @@ def _add_config_args(p, *, env_required: bool = False) -> None:
 TINY_CPU_OVERRIDES = {
     "model.backend": "hf", "model.dtype": "float32", "model.gradient_checkpointing": "false",
     "loop.backend": "local", "loop.num_workers": 1, "launch.gpus": 0, "launch.vllm_engines": 0,
+    "launch.worker_num_gpus": 0,
     "launch.learner_world_size": 1, "algo.max_tokens_per_microbatch": "null", "rollout.max_new_tokens": 128,
     "rollout.max_generated_tokens": "null", "eval.episodes": 8, "eval.samples": 1,
 }

