@@ -57,3 +57,13 @@ def test_readme_training_command_trains_the_new_env(user_dir):
     summary = json.loads((user_dir / "run" / "summary.json").read_text())
     assert plan["env"] == "Shop-v0" and summary["components"] == plan["components"]  # the plan is what ran
     assert (user_dir / "run" / "final_model" / "config.json").exists()
+    # the saved model is a model directory every command takes
+    r = subprocess.run([argv[0], "rollout", "--env", "shop_env:Shop-v0", "--model", "run/final_model", "--episodes",
+                        "2", "--max-new-tokens", "8", "--out", "r.jsonl"], cwd=user_dir, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "episodes=2" in r.stdout, r.stderr[-3000:]
+    r = subprocess.run([argv[0], "run", "--env", "shop_env:Shop-v0", "--model", "run/final_model", "--eval-only",
+                        "--set", "eval.episodes=2", "--set", "rollout.max_new_tokens=8", "--run-dir", "ev",
+                        "--no-progress"], cwd=user_dir, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((user_dir / "ev" / "summary.json").read_text())["evals"][0]["episodes"] == 2

@@ -80,3 +80,13 @@ def test_cpu_rehearsal_with_a_learning_signal_moves_the_saved_model(tmp_path):
     assert summary["components"]["sampler"] == "vllm" and summary["components"]["learner"]["world_size"] == 2
     assert summary["summary"]["policy_version"] >= 1 and summary["summary"]["accounting_balance"] == 0
     assert _changed(run, model), "the saved model must differ from the starting one after real optimizer steps"
+    # ... and vLLM serves the saved directory as it is
+    from transformers import AutoTokenizer
+
+    from agentenv.policy import GenerationRequest, SamplingParams
+    from agentenv.vllm_policy import VLLMPolicyFactory
+
+    pol = VLLMPolicyFactory(str(run / "final_model"), max_model_len=512)(0)
+    tok = AutoTokenizer.from_pretrained(run / "final_model", local_files_only=True)
+    [g] = pol.generate([GenerationRequest(tok("guess")["input_ids"], SamplingParams(max_new_tokens=4))])
+    assert 1 <= len(g.token_ids) <= 4 and len(g.logprobs) == len(g.token_ids)
