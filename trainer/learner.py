@@ -158,7 +158,7 @@ class Learner:
         self.scorer = TokenLogProbs(model)
         self.sharded = shard
         if shard:
-            from .distributed import fsdp2_shard
+            from .sharding import fsdp2_shard
 
             fsdp2_shard(self.scorer, model, bf16=self.compute_dtype == torch.bfloat16)
         self.optimizer = torch.optim.AdamW(
@@ -304,7 +304,7 @@ class Learner:
         tensors stay shared in the copy. Sharded: a collective, rank 0 gets the weights, other ranks ``{}``."""
         dtype = dtype or self.compute_dtype
         if self.sharded:
-            from .distributed import gather_full_state_dict
+            from .sharding import gather_full_state_dict
 
             state = gather_full_state_dict(self.model)
         else:
@@ -335,7 +335,7 @@ class Learner:
     # --- checkpointing --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         if self.sharded:
-            from .distributed import full_train_state
+            from .sharding import full_train_state
 
             model_state, optim_state = full_train_state(self.model, self.optimizer)
         else:
@@ -353,7 +353,7 @@ class Learner:
 
     def load_state_dict(self, state: dict) -> None:
         if self.sharded:
-            from .distributed import load_full_train_state
+            from .sharding import load_full_train_state
 
             load_full_train_state(self.model, self.optimizer, state["model"], state["optimizer"])
         else:

@@ -1,0 +1,95 @@
+"""FSDP2 building blocks the sharded :class:`~agentenv.trainer.learner.Learner` uses inside one rank.
+
+* :func:`init_distributed` joins the process group the usual env vars describe (NCCL with CUDA, gloo otherwise).
+* :func:`fsdp2_shard` applies ``fully_shard`` to every decoder layer, then to the :class:`TokenLogProbs` wrapper as
+  the root (it owns the embedding, final norm and LM head, gathered around the chunked log-prob forward). With a bf16
+  compute dtype: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; the sharded master weights and
+  AdamW state stay float32.
+* :func:`gather_full_state_dict` / :func:`full_train_state` are collectives: rank 0 gets full CPU state dicts, other
+  ranks ``{}``. A sharded checkpoint's optimizer state is keyed by parameter name (DCP's full state dict): it
+  resumes a sharded learner of any world size, not a single-process one.
+
+The driver side (spawning the ranks, the object a run talks to) is :mod:`agentenv.trainer.distributed`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def init_distributed(backend: str | None = None) -> DistInfo:
+    """Join (or reuse) the default process group from torchrun-style env vars."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ and world > 1:
+            raise RuntimeError("WORLD_SIZE > 1 but MASTER_ADDR is not set: launch with torchrun (or set the "
+                               "RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT env vars)")
+        dist.init_process_group(backend or ("nccl" if cuda else "gloo"), rank=rank, world_size=world)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local, device)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks to shard one by one (HF causal LMs keep them in ``model.model.layers``)."""
+    for path in ("model.layers", "transformer.h", "layers"):
+        mod = model
+        for part in path.split("."):
+            mod = getattr(mod, part, None)
+            if mod is None:
+                break
+        if isinstance(mod, torch.nn.ModuleList):
+            return list(mod)
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def fsdp2_shard(root: torch.nn.Module, model: torch.nn.Module, *, bf16: bool) -> torch.nn.Module:
+    """FSDP2-shard ``root`` (the module whose forward runs the model) in place: each decoder layer, then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw = {}
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kw)
+    fully_shard(root, **kw)
+    return root
+
+
+def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective. Rank 0: the full CPU state dict; other ranks: ``{}``. Plain modules pass through."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not dist.is_initialized():
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_train_state(model, optimizer) -> tuple[dict, dict]:
+    """Collective: full (model, optimizer) state dicts on rank 0, ``({}, {})`` elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_train_state(model, optimizer, model_state: dict, optim_state: dict) -> None:
+    """Collective: every rank passes the same full state dicts (as :func:`full_train_state` wrote them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True))
