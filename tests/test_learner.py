@@ -362,15 +362,15 @@ def test_learner_config_from_reads_every_section_it_names():
     from agentenv.config import load_config
     from agentenv.trainer import learner_config_from
 
-    cfg = load_config("python", overrides=["algo.delta=0.02", "algo.constant_length=6144", "algo.no_is=true",
+    cfg = load_config("python_tool", overrides=["algo.delta=0.02", "algo.constant_length=6144", "algo.no_is=true",
                                            "rollout.temperature=0.7", "loop.total_updates=12",
                                            "model.gradient_checkpointing=true", "model.dtype=bfloat16"])
     lc = learner_config_from(cfg)
     assert (lc.delta, lc.constant_length, lc.no_is, lc.temperature, lc.total_steps) == (0.02, 6144, True, 0.7, 12)
     assert lc.gradient_checkpointing and lc.autocast == "bf16" and lc.lr == cfg.algo.lr
-    assert learner_config_from(load_config("python", overrides=["model.dtype=float32"])).autocast == "none"
+    assert learner_config_from(load_config("python_tool", overrides=["model.dtype=float32"])).autocast == "none"
     with pytest.raises(ValueError, match="float16"):
-        learner_config_from(load_config("python", overrides=["model.dtype=float16"]))
+        learner_config_from(load_config("python_tool", overrides=["model.dtype=float16"]))
 
 
 # --- precision, saved model, versions, truncated sampling ---------------------------------------------------------
