@@ -29,7 +29,8 @@ def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, floa
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At 0 or n successes the bound is exactly 0 or 1; rounding would otherwise leave it a hair inside
+    return (0.0 if successes == 0 else max(0.0, centre - half)), (1.0 if successes == n else min(1.0, centre + half))
 
 
 def difference_interval(s1: int, n1: int, s2: int, n2: int, z: float = Z95) -> tuple[float, float]:
