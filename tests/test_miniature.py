@@ -141,9 +141,10 @@ def test_alfworld_demo_two_updates_on_the_sample(tmp_path, monkeypatch):
     valid_seen and valid_unseen -> FlashREINFORCE -> eval again -> the before/after table with intervals."""
     from agentenv.cli import main
 
+    import agentenv.envs.alfworld as alf
+
     monkeypatch.delenv("ALFWORLD_DATA", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.cache/alfworld: the shipped sample is used
-    monkeypatch.setenv("AGENTENV_CACHE", str(Path.home() / ".cache" / "agentenv"))
+    monkeypatch.setattr(alf, "_ALFWORLD_DEFAULT_CACHE", tmp_path / "no-download")  # so the shipped sample is used
     sets = ["model.name=tiny-bpe-alfworld:64x2", "sft.num_demos=4", "sft.epochs=1", "sft.batch_size=4",
             "loop.total_updates=2", "loop.batch_size=2", "loop.concurrency=2", "eval.samples=1",
             "run.tensorboard=false"]
