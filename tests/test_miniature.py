@@ -71,6 +71,23 @@ def test_alfworld_vocabulary_encodes_alfworld_text_in_fewer_tokens():
         small_tokenizer("nope")
 
 
+# ------------------------------------------------------------------------------------------------ plan and CLI
+def test_expert_demos_need_an_env_with_an_expert(capsys):
+    from agentenv.cli import main
+
+    assert main(["run", "--preset", "demo", "--set", "sft.demos=expert", "--dry-run"]) != 0
+    out = capsys.readouterr().out
+    assert "sft demos" in out and "has no scripted expert" in out
+
+
+def test_demo_env_choice_is_checked(capsys):
+    from agentenv.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--env", "guess"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
 # -------------------------------------------------------------------------------------------------- ALFWorld parts
 alfworld = pytest.importorskip("alfworld", reason="alfworld is not installed (pip install 'agentenv[alfworld]')")
 
