@@ -270,7 +270,8 @@ def machine() -> str:
 
 
 def write_report(study: Study, results: dict[str, list[dict]], summary: dict, verdict: dict, plots: dict[str, Path],
-                 out: Path, *, sft_wall: float, total_wall: float, smoke: bool, command: str) -> None:
+                 out: Path, *, sft_wall: float, total_wall: float, smoke: bool, command: str,
+                 skipped: list[str] = ()) -> None:
     rel = lambda p: os.path.relpath(p, out.parent)  # noqa: E731
     lines = [
         "# Ablations in miniature: FlashREINFORCE variants on the CPU tool task",
@@ -288,6 +289,7 @@ def write_report(study: Study, results: dict[str, list[dict]], summary: dict, ve
         f"- Final value = mean over the last {study.final_window} updates of a run (batch metrics of the "
         "trajectories trained on); table: mean ± std over seeds.",
         f"- Wall time: {total_wall / 60:.1f} min in all ({study.threads} torch thread(s) per run). Machine: {machine()}.",
+        *([f"- **Not run** (time budget spent): {', '.join(skipped)}."] if skipped else []),
         "",
         "| variant | success | tool-call rate | length (tokens) | length at start | acceptance | lag mean | lag max | wall s / run |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -307,7 +309,9 @@ def write_report(study: Study, results: dict[str, list[dict]], summary: dict, ve
     lines += ["", "Runs (`metrics.jsonl` per run):", ""]
     for v in study.variants:
         for r in results.get(v, []):
-            lines.append(f"- {r['name']}: {r['updates']} updates, {r['wall_s']:.0f} s, `{r['run_dir']}`")
+            d = Path(r["run_dir"]).resolve()
+            d = d.relative_to(REPO) if d.is_relative_to(REPO) else d
+            lines.append(f"- {r['name']}: {r['updates']} updates, {r['wall_s']:.0f} s, `{d}`")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
 
@@ -324,6 +328,8 @@ def parse_args(argv):
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (separate processes)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
     p.add_argument("--final-window", type=int, default=5)
+    p.add_argument("--budget-min", type=float, default=None,
+                   help="stop starting runs after this many minutes (sequential mode); the report says what was left")
     p.add_argument("--runs-dir", default=None, help="where run directories go (default runs/ablations; smoke: a temp dir)")
     p.add_argument("--out", default=None, help="report path (default docs/results.md; smoke: RUNS_DIR/results.md)")
     p.add_argument("--smoke", action="store_true", help="2 updates x 4 trajectories per variant, 1 seed, tiny SFT")
@@ -354,8 +360,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"warm start: {model_dir} ({sft_wall:.0f}s)")
     jobs = [(run_overrides(study, v, seed, model_dir, runs_dir / f"{v}-seed{seed}") + extra, f"{v}-seed{seed}")
             for seed in study.seeds for v in study.variants]
-    results: dict[str, list[dict]] = {v: [] for v in study.variants}
-    done = []
+    done: list[dict] = []
+    command = ("python benchmarks/ablations.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+
+    def report(final: bool) -> None:
+        """(Re)write the report from the runs finished so far: a study cut short by --budget-min still reports."""
+        results: dict[str, list[dict]] = {v: [] for v in study.variants}
+        for r in done:
+            results[r["name"].rsplit("-seed", 1)[0]].append(r)
+        summary = summarise({v: rs for v, rs in results.items() if rs}, study.final_window)
+        figdir = out.parent / (out.stem if not args.smoke else "figures")
+        plots = {name: plot_comparison(name, vs, results, figdir / f"{name}.png", claim)
+                 for name, (vs, claim) in COMPARISONS.items() if all(results.get(v) for v in vs)} if final else {}
+        skipped = [name for _, name in jobs if name not in {r["name"] for r in done}]
+        write_report(study, results, summary, verdicts(summary), plots, out, sft_wall=sft_wall,
+                     total_wall=time.perf_counter() - t_all, smoke=args.smoke, command=command, skipped=skipped)
+
+    deadline = t_all + args.budget_min * 60 if args.budget_min else math.inf
     if args.jobs > 1:
         import multiprocessing as mp
 
@@ -364,22 +385,16 @@ def main(argv: list[str] | None = None) -> int:
                 done.append(r)
                 print(f"  {r['name']}: {r['updates']} updates, {r['wall_s']:.0f}s", flush=True)
     else:
-        for job in jobs:
+        for i, job in enumerate(jobs):
+            if time.perf_counter() > deadline:
+                print(f"--budget-min {args.budget_min} spent: {len(jobs) - i} runs not started", flush=True)
+                break
             r = _run_one(job)
             done.append(r)
             print(f"  {r['name']}: {r['updates']} updates, {r['wall_s']:.0f}s", flush=True)
-    for r in done:
-        results[r["name"].rsplit("-seed", 1)[0]].append(r)
-
-    summary = summarise(results, study.final_window)
-    verdict = verdicts(summary)
-    figdir = out.parent / (out.stem if not args.smoke else "figures")
-    plots = {name: plot_comparison(name, vs, results, figdir / f"{name}.png", claim)
-             for name, (vs, claim) in COMPARISONS.items() if all(v in results and results[v] for v in vs)}
-    total = time.perf_counter() - t_all
-    command = "python benchmarks/ablations.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_report(study, results, summary, verdict, plots, out, sft_wall=sft_wall, total_wall=total, smoke=args.smoke,
-                 command=command.strip())
+            if (i + 1) % len(study.variants) == 0:  # a whole seed done: keep the report current
+                report(final=False)
+    report(final=True)
     print(out.read_text())
     bad = [r["name"] for r in done if r["updates"] != study.updates or r["accounting_balance"] != 0]
     if bad:
