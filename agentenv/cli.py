@@ -229,11 +229,19 @@ def cmd_run(args) -> int:
     return 0
 
 
+# `agentenv demo --env E` -> its CPU demo preset in configs/ (the tool demo is `demo`, the default).
+DEMO_PRESETS = {"python": "demo", "python_tool": "demo", "alfworld": "alfworld_demo"}
+
+
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="the CPU demo: SFT warm start, then FlashREINFORCE learns to use the python tool",
-                       description="Warm-start the built-in tiny model by SFT on scripted demos (few use the tool), then "
-                                   "train it with FlashREINFORCE on multiplications where the python tool pays. Prints "
-                                   "success and tool-call rate before/after and writes curves.png. No download.")
+    p = sub.add_parser("demo", help="a CPU demo: SFT warm start, then FlashREINFORCE (python tool, or --env alfworld)",
+                       description="Warm-start the built-in tiny model by SFT, then train it with FlashREINFORCE and print "
+                                   "success before/after and curves.png. No download. Default: the python-tool task "
+                                   "(scripted demos, few use the tool; multiplications where the tool pays). "
+                                   "--env alfworld: SFT on the expert's plays of ALFWorld train games, RL on train games, "
+                                   "evaluation on valid_seen and valid_unseen (the shipped sample, or $ALFWORLD_DATA).")
+    p.add_argument("--env", default="python", choices=sorted(DEMO_PRESETS),
+                   help="which demo: python (default; preset 'demo') or alfworld (preset 'alfworld_demo')")
     _add_config_args(p)
     p.set_defaults(func=cmd_demo, preset_default="demo")
 
@@ -243,8 +251,10 @@ def cmd_demo(args) -> int:
     from agentenv.report import run_demo
     from agentenv.train import LaunchError
 
+    preset = DEMO_PRESETS[args.env]
+    args.env = None  # the demo preset names its env; --env only chose the preset
     try:
-        cfg = _config_from_args(args, default_preset="demo")
+        cfg = _config_from_args(args, default_preset=preset)
         return run_demo(cfg, progress=not args.no_progress)
     except (ConfigError, LaunchError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -120,8 +120,11 @@ class EvalConfig(_Section):
 
 class SFTSection(_Section):
     enabled: bool = False  # warm-start by SFT before RL
-    demos: str = "scripted"  # "scripted" (agentenv.demo) or a trajectories JSONL path (e.g. expert rollouts)
+    # "scripted" (agentenv.demo's tool demos), "expert" (the env's scripted expert plays num_demos training tasks
+    # through the runtime at the start of the run) or a trajectories JSONL path (e.g. `agentenv rollout` output)
+    demos: str = "scripted"
     num_demos: int = Field(1000, ge=1)
+    expert_noise: float = Field(0.0, ge=0, lt=1)  # demos: "expert": share of turns the expert plays a random action
     tool_fraction: float = Field(0.25, ge=0, le=1)  # scripted demos: share that use the tool
     epochs: int = Field(3, ge=1)
     lr: float = Field(1e-4, gt=0)

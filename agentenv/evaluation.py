@@ -3,7 +3,8 @@
 :func:`evaluate(cfg, policy, split)` builds the split's env and tasks through :mod:`agentenv.episodes`, runs them
 through :func:`agentenv.runtime.run_episodes` at the eval sampling settings (``eval.temperature`` / ``eval.top_p``,
 else the rollout's), and returns :func:`agentenv.metrics.batch_metrics` of the trajectories (success, per-type
-success, tool-call rate, ...) plus ``episodes`` and ``wall_s``. ``split=None`` evaluates on the training tasks.
+success, tool-call rate, ...) plus ``episodes``, ``successes``, ``episodes_by_type`` (episodes per task type, for
+confidence intervals of ``success_<type>``) and ``wall_s``. ``split=None`` evaluates on the training tasks.
 The same function serves periodic evaluation during a run, ``agentenv run --eval-only`` and ``agentenv eval``.
 The policy must already hold the weights to evaluate (the run loads the learner's current weights into it).
 """
@@ -29,6 +30,11 @@ def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | N
     m = batch_metrics(trajs)
     m.pop("tokens", None)
     # which weights played: the versions every sampled token carries (one, when the policy was up to date)
-    m.update(episodes=len(trajs), wall_s=time.perf_counter() - t0,
+    by_type: dict[str, int] = {}
+    for t in trajs:
+        if t.task_type:
+            by_type[str(t.task_type)] = by_type.get(str(t.task_type), 0) + 1
+    m.update(episodes=len(trajs), successes=sum(bool(t.success) for t in trajs), wall_s=time.perf_counter() - t0,
+             episodes_by_type=dict(sorted(by_type.items())),
              policy_versions=sorted({v for t in trajs for v in t.versions}))
     return m

@@ -4,7 +4,8 @@
 
 * ``"tiny"`` (or ``"tiny:<hidden>x<layers>"``): the built-in tiny Qwen2 model with the real Qwen2.5 vocabulary,
   materialised offline to a directory; ``"tiny-bpe"`` / ``"tiny-bpe:<hidden>x<layers>"``: the same network over the
-  small project-trained BPE (fast on a CPU; see :mod:`agentenv.tiny`);
+  small project-trained BPE (fast on a CPU; see :mod:`agentenv.tiny`); ``"tiny-bpe-alfworld[:HxL]"``: over the BPE
+  that also learned ALFWorld's text (the ALFWorld demo's model);
 * a local directory holding a transformers checkpoint (``config.json``);
 * a friendly alias from :data:`ALIASES` (``qwen2.5-7b`` -> ``Qwen/Qwen2.5-7B-Instruct``) or a hub id, looked up in the
   local Hugging Face cache only -- agentenv never downloads at run time. When the weights are absent it raises
@@ -54,8 +55,12 @@ def _hf_cache_snapshot(hub_id: str) -> Path | None:
 
 
 def is_tiny(name: str) -> bool:
-    """True for the built-in tiny model specs (``tiny``, ``tiny:HxL``, ``tiny-bpe``, ``tiny-bpe:HxL``)."""
-    return name.partition(":")[0] in ("tiny", "tiny-bpe")
+    """True for the built-in tiny model specs (``tiny``, ``tiny-bpe``, ``tiny-bpe-alfworld``, each with ``:HxL``)."""
+    return name.partition(":")[0] in TINY_VOCABS
+
+
+# tiny model spec base -> the vocabulary it is built over (agentenv.tiny.TinyConfig.vocab)
+TINY_VOCABS = {"tiny": "qwen2.5", "tiny-bpe": "small", "tiny-bpe-alfworld": "small-alfworld"}
 
 
 def resolve_model(name: str) -> ResolvedModel:
@@ -63,7 +68,7 @@ def resolve_model(name: str) -> ResolvedModel:
         from agentenv.tiny import TinyConfig, materialize_tiny
 
         base, _, shape = name.partition(":")
-        cfg = TinyConfig(vocab="small" if base == "tiny-bpe" else "qwen2.5")
+        cfg = TinyConfig(vocab=TINY_VOCABS[base])
         if shape:
             try:
                 hidden, layers = (int(x) for x in shape.split("x"))

@@ -59,7 +59,13 @@ def launch_plan(cfg: RunConfig) -> dict:
     except ValueError as e:
         env_id = cfg.env.id
         checks.append({"what": "env", "ok": False, "detail": str(e)})
-    if cfg.sft.enabled and cfg.sft.demos != "scripted":
+    if cfg.sft.enabled and cfg.sft.demos == "expert":  # played at the start of the run: the env needs an expert
+        from agentenv.envs import EXPERTS
+
+        checks.append({"what": "sft demos", "ok": env_id in EXPERTS,
+                       "detail": f"expert plays of {env_id}" if env_id in EXPERTS else
+                       f"{env_id} has no scripted expert (experts exist for: {', '.join(EXPERTS)})"})
+    elif cfg.sft.enabled and cfg.sft.demos != "scripted":
         from pathlib import Path
 
         checks.append({"what": "sft demos", "ok": Path(cfg.sft.demos).exists(), "detail": cfg.sft.demos})

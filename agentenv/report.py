@@ -1,39 +1,108 @@
 """The before/after report of a training run: what ``agentenv demo`` prints (and any run that evaluates at its start
-and end): curves over updates as sparklines, the evaluation before and after RL side by side, the wall time, and
-``RUN/demo_result.json``. It drives :func:`agentenv.train.run`; it computes nothing of its own."""
+and end): curves over updates as sparklines, the evaluation before and after RL side by side -- per eval split, with
+a 95% confidence interval over the eval episodes, the change with its own interval, and success per task type when
+the env has task types -- the wall time, and ``RUN/demo_result.json``. It drives :func:`agentenv.train.run`; the
+only numbers it computes itself are the intervals (:func:`wilson_interval`, :func:`difference_interval`).
+
+The intervals treat eval episodes as independent draws. With ``eval.samples > 1`` several episodes share a task, so
+the honest reading is "over episodes of these tasks", not "over tasks"; the printed counts say how many of each.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 
 from agentenv.plot import ascii_curve
 from agentenv.train import run
 
+Z95 = 1.959964  # two-sided 95% normal quantile
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (well behaved at 0 and 1 successes, unlike the normal one)."""
+    if n <= 0:
+        raise ValueError("a confidence interval needs at least one episode")
+    if not 0 <= successes <= n:
+        raise ValueError(f"successes must be in [0, {n}], got {successes}")
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    # At 0 or n successes the bound is exactly 0 or 1; rounding would otherwise leave it a hair inside
+    return (0.0 if successes == 0 else max(0.0, centre - half)), (1.0 if successes == n else min(1.0, centre + half))
+
+
+def difference_interval(s1: int, n1: int, s2: int, n2: int, z: float = Z95) -> tuple[float, float]:
+    """Newcombe's hybrid score interval for p2 - p1 (two independent proportions, built from their Wilson intervals)."""
+    p1, p2 = s1 / n1, s2 / n2
+    l1, u1 = wilson_interval(s1, n1, z)
+    l2, u2 = wilson_interval(s2, n2, z)
+    d = p2 - p1
+    return d - math.sqrt((p2 - l2) ** 2 + (u1 - p1) ** 2), d + math.sqrt((u2 - p2) ** 2 + (p1 - l1) ** 2)
+
+
+def _successes(ev: dict) -> int:
+    return int(ev.get("successes", round(ev["success_rate"] * ev["episodes"])))
+
+
+def before_after_table(before: list[dict], after: list[dict], updates: int) -> list[str]:
+    """Lines of the before/after table: one block per eval split (matched by name)."""
+    lines = [f"{'':24s}{'warm start (SFT)':>24s}{f'after {updates} RL updates':>26s}{'change':>26s}"]
+    for b in before:
+        a = next((e for e in after if e["split"] == b["split"]), None)
+        if a is None:
+            continue
+        sb, sa, nb, na = _successes(b), _successes(a), b["episodes"], a["episodes"]
+        lb, ub = wilson_interval(sb, nb)
+        la, ua = wilson_interval(sa, na)
+        ld, ud = difference_interval(sb, nb, sa, na)
+        lines.append(f"  {b['split']} ({nb} episodes)")
+        lines.append(f"    {'success':20s}{b['success_rate']:8.2f} [{lb:.2f}, {ub:.2f}]    {a['success_rate']:10.2f} "
+                     f"[{la:.2f}, {ua:.2f}]    {a['success_rate'] - b['success_rate']:+10.2f} [{ld:+.2f}, {ud:+.2f}]")
+        if b.get("tool_share") or a.get("tool_share"):
+            lines.append(f"    {'tool-call rate':20s}{b['tool_share']:8.2f}{'':15s}{a['tool_share']:10.2f}")
+        types = sorted(k[len("success_"):] for k in b if k.startswith("success_") and k != "success_rate")
+        for t in types:
+            key, nbt, nat = f"success_{t}", b.get("episodes_by_type", {}).get(t), a.get("episodes_by_type", {}).get(t)
+            if key in a:
+                lines.append(f"      {t:26s}{b[key]:6.2f}{'':15s}{a[key]:10.2f}"
+                             + (f"{'':17s}({nbt} / {nat} episodes)" if nbt else ""))
+        if "turns_mean" in b:
+            lines.append(f"    {'turns / episode':20s}{b['turns_mean']:8.2f}{'':15s}{a['turns_mean']:10.2f}")
+    lines.append("  (success: mean and 95% Wilson interval over eval episodes; change: Newcombe interval)")
+    return lines
+
 
 def run_demo(cfg, *, progress: bool = True, echo=print) -> int:
     """``agentenv demo``: SFT warm start + FlashREINFORCE; prints before/after and curves."""
     t0 = time.perf_counter()
-    echo(f"agentenv demo: model {cfg.model.name}, {cfg.loop.total_updates} updates x {cfg.loop.batch_size} "
-         f"trajectories, SFT warm start on {cfg.sft.num_demos} scripted demos ({cfg.sft.tool_fraction:.0%} use the tool)")
+    s = cfg.sft
+    what = {"scripted": f"{s.num_demos} scripted demos ({s.tool_fraction:.0%} use the tool)",
+            "expert": f"{s.num_demos} expert demos (noise {s.expert_noise:g})"}.get(s.demos, f"demos from {s.demos}")
+    echo(f"agentenv demo: env {cfg.env.id}, model {cfg.model.name}, {cfg.loop.total_updates} updates x "
+         f"{cfg.loop.batch_size} trajectories, SFT warm start on {what}")
     res = run(cfg, progress=progress, echo=echo)
     wall = time.perf_counter() - t0
-    before = next((e for e in res.evals if e["update"] == 0), None)
-    after = next((e for e in reversed(res.evals) if e["update"] > 0), None)
+    first = min((e["update"] for e in res.evals), default=None)
+    last = max((e["update"] for e in res.evals), default=None)
+    before = [e for e in res.evals if e["update"] == first == 0]
+    after = [e for e in res.evals if e["update"] == last and last and last > 0]
     h = res.history
     echo("")
     echo("curves over updates (batch values, 0..1):")
     for key, label in (("success_rate", "success  "), ("tool_share", "tool rate"), ("acceptance_rate", "accepted ")):
         vals = [float(m.get(key, 0.0)) for m in h]
-        if vals:
+        if vals and (key != "tool_share" or any(vals)):
             echo(f"  {label} {ascii_curve(vals)}  {vals[0]:.2f} -> {sum(vals[-5:]) / len(vals[-5:]):.2f} (last 5)")
+    table: list[str] = []
     if before and after:
+        table = before_after_table(before, after, int(res.summary.get("updates", len(h))))
         echo("")
-        echo(f"                 warm start (SFT)   after {res.summary.get('updates', len(h))} RL updates")
-        echo(f"  success        {before['success_rate']:14.2f}   {after['success_rate']:10.2f}")
-        echo(f"  tool-call rate {before['tool_share']:14.2f}   {after['tool_share']:10.2f}")
-        echo(f"  (eval on {before['episodes']} tasks each)")
+        for line in table:
+            echo(line)
     echo(f"wall time {wall:.0f}s; run dir {res.run_dir}; plot {res.run_dir / 'curves.png'}")
+    one = (lambda evs: evs[0] if len(evs) == 1 else ({e["split"]: e for e in evs} if evs else None))
     (res.run_dir / "demo_result.json").write_text(json.dumps(
-        {"before": before, "after": after, "wall_s": wall, "updates": len(h)}, indent=2))
+        {"before": one(before), "after": one(after), "table": table, "wall_s": wall, "updates": len(h)}, indent=2))
     return 0

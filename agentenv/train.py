@@ -220,7 +220,8 @@ def _check_truncated_sampling(cfg: RunConfig, model_path: str, device: str) -> N
 
 
 def warm_start(cfg: RunConfig, model_path: str, out: Path, *, progress: bool = True, echo=print) -> Path:
-    """SFT the starting model on demos (scripted or a trajectories file); returns the new checkpoint dir."""
+    """SFT the starting model on demos (scripted, the env's expert, or a trajectories file); returns the new
+    checkpoint dir. Expert demos are played here and kept in ``RUN/sft_demos.jsonl``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -234,9 +235,50 @@ def warm_start(cfg: RunConfig, model_path: str, out: Path, *, progress: bool = T
     if s.demos == "scripted":
         demos = demo.demo_trajectories(tok, s.num_demos, s.tool_fraction, seed=cfg.loop.seed + 1)
     else:
-        demos = prepare_demos(list(iter_jsonl(s.demos))[: s.num_demos], tok, max_tokens=cfg.rollout.max_total_tokens)
+        raw = (expert_demos(cfg, out.parent / "sft_demos.jsonl", progress=progress, echo=echo) if s.demos == "expert"
+               else list(iter_jsonl(s.demos))[: s.num_demos])
+        demos = prepare_demos(raw, tok, max_tokens=cfg.rollout.max_total_tokens)
     echo(f"sft warm start: {len(demos)} demos ({s.demos}), {s.epochs} epochs, lr {s.lr}")
     r = train_sft(model, demos, SFTConfig(epochs=s.epochs, lr=s.lr, batch_size=s.batch_size, seed=cfg.loop.seed),
                   progress=progress)
     echo(f"sft done: loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} in {r['steps']} steps, {r['wall_s']:.0f}s")
     return save_checkpoint_dir(model, tok, out)
+
+
+def expert_demos(cfg: RunConfig, path: Path, *, progress: bool = True, echo=print) -> list:
+    """``sft.num_demos`` episodes of the env's scripted expert (``--model expert``) on the run's TRAINING tasks,
+    played through the same runtime, env settings and turn limit as RL, so a demo's prompt, observations and chat
+    glue are exactly what the policy will see later. ``sft.expert_noise`` makes the expert take random admissible
+    actions on that share of turns. Every episode is written to ``path``; failures stay there but are not imitated."""
+    import importlib
+
+    from agentenv.envs import EXPERTS, spec
+    from agentenv.episodes import env_kwargs, rollout_config, task_list
+    from agentenv.runtime import RolloutConfig, Task, run_episodes
+    from agentenv.trainer.backends import GymEnvFactory
+    from agentenv.trajectory import JsonlWriter
+
+    env_id = spec.resolve(cfg.env.id)
+    if env_id not in EXPERTS:
+        raise LaunchError(f"sft.demos=expert: environment {env_id} has no scripted expert (experts exist for: "
+                          f"{', '.join(EXPERTS)}); use sft.demos=scripted or a trajectories JSONL")
+    module, factory = EXPERTS[env_id].split(":")
+    expert = getattr(importlib.import_module(module), factory)(noise=cfg.sft.expert_noise, seed=cfg.loop.seed + 1)
+    make_env = GymEnvFactory(env_id, {**env_kwargs(cfg), **getattr(expert, "env_kwargs", {})})
+    tasks = task_list(cfg)
+    n = cfg.sft.num_demos
+    plays = [Task(seed=10_000 + i, options=tasks[i % len(tasks)].options, meta={"sample": i // len(tasks)})
+             for i in range(n)]
+    r = rollout_config(cfg)
+    rc = RolloutConfig(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, sampling=r.sampling, concurrency=2)
+    with JsonlWriter(path) as writer:
+        trajs = run_episodes(make_env, expert, n, rc, tasks=plays, progress=progress, on_trajectory=writer.write)
+    won = sum(bool(t.success) for t in trajs)
+    echo(f"expert demos: {n} episodes on {len(tasks)} training tasks (noise {cfg.sft.expert_noise:g}), "
+         f"{won} won, turns {sum(t.num_turns for t in trajs) / max(1, n):.1f} mean -> {path}")
+    if not won:
+        reasons = sorted({t.finish_reason for t in trajs})
+        raise LaunchError(f"sft.demos=expert: the expert won none of its {n} episodes (finish reasons: "
+                          f"{', '.join(map(str, reasons))}), so there is nothing to imitate; raise rollout.max_turns "
+                          f"(now {cfg.rollout.max_turns}) or lower sft.expert_noise. Episodes: {path}")
+    return trajs

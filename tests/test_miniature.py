@@ -1,0 +1,236 @@
+"""Learning in miniature: the ALFWorld demo's code path on the shipped sample (2 updates), its pieces (noisy expert,
+expert demos in the runtime's token format, the ALFWorld-aware tiny vocabulary), the report's confidence intervals,
+and a 2-update smoke of every ablation variant of ``benchmarks/ablations.py`` (real model, learner, sandbox, games)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentenv.report import difference_interval, wilson_interval
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------ confidence intervals
+@given(n=st.integers(1, 2000), data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_wilson_interval_contains_the_estimate_and_stays_in_0_1(n, data):
+    s = data.draw(st.integers(0, n))
+    lo, hi = wilson_interval(s, n)
+    assert 0.0 <= lo <= s / n <= hi <= 1.0
+    assert hi - lo > 0
+    lo4, hi4 = wilson_interval(4 * s, 4 * n)  # same proportion, 4x the episodes: a narrower interval
+    assert hi4 - lo4 < hi - lo
+
+
+def test_wilson_interval_known_value_and_bad_input():
+    lo, hi = wilson_interval(8, 10)  # textbook value: 0.490 .. 0.943
+    assert lo == pytest.approx(0.4902, abs=1e-3) and hi == pytest.approx(0.9433, abs=1e-3)
+    with pytest.raises(ValueError):
+        wilson_interval(0, 0)
+    with pytest.raises(ValueError):
+        wilson_interval(5, 4)
+
+
+@given(n1=st.integers(1, 500), n2=st.integers(1, 500), data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_difference_interval_contains_the_difference(n1, n2, data):
+    s1, s2 = data.draw(st.integers(0, n1)), data.draw(st.integers(0, n2))
+    lo, hi = difference_interval(s1, n1, s2, n2)
+    d = s2 / n2 - s1 / n1
+    assert -1.0 - 1e-9 <= lo <= d + 1e-12 and d - 1e-12 <= hi <= 1.0 + 1e-9
+
+
+def test_difference_interval_excludes_zero_only_for_a_real_gap():
+    assert difference_interval(10, 100, 40, 100)[0] > 0  # 0.10 -> 0.40 over 100 episodes each: clearly up
+    lo, hi = difference_interval(10, 20, 12, 20)  # 0.50 -> 0.60 over 20 each: not resolved
+    assert lo < 0 < hi
+
+
+# ------------------------------------------------------------------------------------------- the tiny vocabulary
+def test_alfworld_vocabulary_encodes_alfworld_text_in_fewer_tokens():
+    from agentenv.tiny import small_tokenizer
+
+    text = ("You arrive at countertop 1. On the countertop 1, you see a apple 1, a dishsponge 2, and a saltshaker 1."
+            "\n\nYour task is to: look at pillow under the desklamp.\n\nAdmissible actions:\ntake apple 1 from countertop 1")
+    small, alf = small_tokenizer("small"), small_tokenizer("small-alfworld")
+    n_small, n_alf = len(small(text)["input_ids"]), len(alf(text)["input_ids"])
+    assert n_alf < 0.6 * n_small, (n_small, n_alf)
+    assert alf.decode(alf(text)["input_ids"]) == text  # lossless
+    assert len(alf(" desklamp")["input_ids"]) == 1  # a word after a space, as in the game text
+    with pytest.raises(ValueError, match="small vocab"):
+        small_tokenizer("nope")
+
+
+# ------------------------------------------------------------------------------------------------ plan and CLI
+def test_expert_demos_need_an_env_with_an_expert(capsys):
+    from agentenv.cli import main
+
+    assert main(["run", "--preset", "demo", "--set", "sft.demos=expert", "--dry-run"]) != 0
+    out = capsys.readouterr().out
+    assert "sft demos" in out and "has no scripted expert" in out
+
+
+def test_demo_env_choice_is_checked(capsys):
+    from agentenv.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--env", "guess"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------------------------------- ALFWorld parts
+alfworld = pytest.importorskip("alfworld", reason="alfworld is not installed (pip install 'agentenv[alfworld]')")
+
+
+def test_noisy_expert_takes_detours_and_still_wins():
+    from agentenv.envs.alfworld import SAMPLE_DIR, ALFWorldEnv
+    from agentenv.envs.alfworld_expert import ALFWorldExpert
+    from agentenv.runtime import RolloutConfig, Task, run_episode
+
+    env = ALFWorldEnv("train", SAMPLE_DIR, max_turns=40, expert=True, task_types=["pick_and_place"])
+    try:
+        clean = run_episode(env, ALFWorldExpert(), RolloutConfig(max_turns=41), Task(options={"game": 0}))
+        noisy = run_episode(env, ALFWorldExpert(noise=0.5, seed=3), RolloutConfig(max_turns=41),
+                            Task(options={"game": 0}))
+    finally:
+        env.close()
+    assert clean.success and noisy.success
+    assert noisy.num_turns > clean.num_turns  # the detours cost turns; the replanning expert recovers
+    with pytest.raises(ValueError, match="noise"):
+        ALFWorldExpert(noise=1.0)
+
+
+def _demo_cfg(tmp_path, *extra):
+    from agentenv.config import load_config
+
+    return load_config("alfworld_demo", [], [
+        f"run.dir={tmp_path}", "model.name=tiny-bpe-alfworld:64x2", "sft.num_demos=4", "sft.epochs=1",
+        "sft.batch_size=4", "sft.expert_noise=0.0", "loop.total_updates=2", "loop.batch_size=2",
+        "loop.concurrency=2", "eval.samples=1", "run.tensorboard=false", *extra])
+
+
+def test_expert_demos_are_the_runtime_token_format(tmp_path):
+    """The demos SFT trains on are the runtime's sequences: the same prompt as a real rollout of the same game."""
+    from transformers import AutoTokenizer
+
+    from agentenv.chat import ChatSequence
+    from agentenv.models import resolve_model
+    from agentenv.sft import prepare_demos
+    from agentenv.train import expert_demos
+
+    cfg = _demo_cfg(tmp_path)
+    trajs = expert_demos(cfg, tmp_path / "demos.jsonl", progress=False, echo=lambda *_: None)
+    assert len(trajs) == 4 and all(t.success for t in trajs)
+    assert {t.task_type for t in trajs} <= {"pick_and_place", "look_at_obj_in_light"}
+    assert all(t.num_turns <= cfg.rollout.max_turns for t in trajs)
+    assert len((tmp_path / "demos.jsonl").read_text().splitlines()) == 4
+    tok = AutoTokenizer.from_pretrained(resolve_model(cfg.model.name).path)
+    demos = prepare_demos(trajs, tok, max_tokens=cfg.rollout.max_total_tokens)
+    first = demos[0]
+    seq = ChatSequence(tok)
+    seq.start([m for m in first.messages[:2]], None)  # system + first observation, as the runtime renders them
+    assert first.token_ids[:len(seq.token_ids)] == seq.token_ids
+    assert not any(first.action_mask[:len(seq.token_ids)])
+    policy_text = tok.decode([i for i, a in zip(first.token_ids, first.action_mask) if a])
+    assert policy_text.count("<action>") == first.num_turns
+
+
+def test_expert_demos_without_a_win_stop_with_the_fix(tmp_path):
+    from agentenv.train import LaunchError, expert_demos
+
+    cfg = _demo_cfg(tmp_path, "rollout.max_turns=1")
+    with pytest.raises(LaunchError, match="rollout.max_turns"):
+        expert_demos(cfg, tmp_path / "demos.jsonl", progress=False, echo=lambda *_: None)
+
+
+def test_alfworld_demo_two_updates_on_the_sample(tmp_path, monkeypatch):
+    """`agentenv demo --env alfworld` end to end on the shipped sample, 2 updates: expert demos -> SFT -> eval on
+    valid_seen and valid_unseen -> FlashREINFORCE -> eval again -> the before/after table with intervals."""
+    from agentenv.cli import main
+
+    import agentenv.envs.alfworld as alf
+
+    monkeypatch.delenv("ALFWORLD_DATA", raising=False)
+    monkeypatch.setattr(alf, "_ALFWORLD_DEFAULT_CACHE", tmp_path / "no-download")  # so the shipped sample is used
+    sets = ["model.name=tiny-bpe-alfworld:64x2", "sft.num_demos=4", "sft.epochs=1", "sft.batch_size=4",
+            "loop.total_updates=2", "loop.batch_size=2", "loop.concurrency=2", "eval.samples=1",
+            "run.tensorboard=false"]
+    argv = ["demo", "--env", "alfworld", "--no-progress", "--run-dir", str(tmp_path / "run")]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    run = tmp_path / "run"
+    res = json.loads((run / "demo_result.json").read_text())
+    assert set(res["before"]) == set(res["after"]) == {"valid_seen", "valid_unseen"}
+    for split in ("valid_seen", "valid_unseen"):
+        b = res["before"][split]
+        assert b["episodes"] == 2 and set(b["episodes_by_type"]) == {"pick_and_place", "look_at_obj_in_light"}
+        assert "success_pick_and_place" in b and b["policy_versions"] == [0]
+        assert res["after"][split]["policy_versions"] == [2]
+    assert any("95% Wilson" in line for line in res["table"])
+    assert any(line.strip().startswith("valid_unseen") for line in res["table"])
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in recs if "event" not in r] == [1, 2]
+    assert (run / "sft_demos.jsonl").exists() and (run / "sft_model" / "config.json").exists()
+    assert (run / "curves.png").exists()
+
+
+# ------------------------------------------------------------------------------------------------------ ablations
+def _ablations():
+    spec = importlib.util.spec_from_file_location("ablations", REPO / "benchmarks" / "ablations.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["ablations"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ABL = _ablations()
+
+
+@pytest.fixture(scope="module")
+def ablation_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ablations")
+
+
+@pytest.mark.parametrize("variant", list(ABL.VARIANTS))
+def test_ablation_variant_two_update_smoke(variant, ablation_dir):
+    out = ablation_dir / f"{variant}.md"
+    assert ABL.main(["--smoke", "--variants", variant, "--runs-dir", str(ablation_dir), "--out", str(out)]) == 0
+    recs = ABL.read_metrics(ablation_dir / f"{variant}-seed0")
+    assert [r["update"] for r in recs] == [1, 2] and recs[-1]["accounting_balance"] == 0
+    cfg = yaml.safe_load((ablation_dir / f"{variant}-seed0" / "config.yaml").read_text())
+    if variant == "grpo":
+        assert cfg["algo"]["loss"] == "grpo" and cfg["loop"]["group_size"] == 4
+    if variant == "no_trust_lag":
+        assert cfg["algo"]["no_trust"] and cfg["loop"]["queue_size"] == 2
+    if variant == "token_mean":
+        assert cfg["algo"]["token_mean"]
+    if variant.startswith("q0."):
+        assert cfg["algo"]["negative_token_fraction"] == float(variant[1:])
+    text = out.read_text()
+    assert "SMOKE RUN" in text and f"| {variant} |" in text
+
+
+def test_ablation_report_verdicts_follow_the_numbers():
+    s = {"flashreinforce": {"policy_tokens_mean": (20.0, 1.0), "length_start": (20.0, 1.0), "tool_share": (0.9, 0.05),
+                            "success_rate": (0.8, 0.05)},
+         "token_mean": {"policy_tokens_mean": (45.0, 2.0), "length_start": (20.0, 1.0), "tool_share": (0.9, 0.05),
+                        "success_rate": (0.7, 0.05)},
+         "grpo": {"policy_tokens_mean": (20.0, 1.0), "length_start": (20.0, 1.0), "tool_share": (0.85, 0.2),
+                  "success_rate": (0.6, 0.1)}}
+    v = ABL.verdicts(s)
+    assert v["length"].startswith("reproduces")
+    assert v["grpo"].startswith("not resolved")  # 0.05 apart with a 0.2 spread
+    s["grpo"]["tool_share"] = (0.3, 0.05)
+    assert ABL.verdicts(s)["grpo"].startswith("reproduces")
+    assert math.isnan(ABL.mean_std([])[0]) and ABL.mean_std([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
