@@ -327,39 +327,39 @@ class ChatSequence:
         tail? Checked on :data:`PROBE_HISTORIES` (reasoning blocks, edge newlines, tool turns, several user turns):
         a template that strips earlier reasoning or moves a block (e.g. a tool list before the last user message)
         fails here and never gets the shortcut."""
-        key = "history:" + role
-        if key not in self._probed:
-            ok = True
-            try:
-                close = self._assistant_close()
-                tail = self._tail(role).replace(_MESSAGE_SENTINEL, "probe")
-                for history in PROBE_HISTORIES:
-                    before = self._render_raw(history, generation_prompt=False)
-                    full = self._render_raw(history + [{"role": role, "content": "probe"}], generation_prompt=True)
-                    if not before.endswith(close) or full != before[:len(before) - len(close)] + tail:
-                        ok = False
-                        break
-            except Exception:  # noqa: BLE001 -- a template that cannot render a probe gets no shortcut
-                ok = False
-            self._probed[key] = ok
-        return self._probed[key]
+        def check() -> bool:
+            close = self._assistant_close()
+            tail = self._tail(role).replace(_MESSAGE_SENTINEL, "probe")
+            for history in PROBE_HISTORIES:
+                before = self._render_raw(history, generation_prompt=False)
+                full = self._render_raw(history + [{"role": role, "content": "probe"}], generation_prompt=True)
+                if not before.endswith(close) or full != before[:len(before) - len(close)] + tail:
+                    return False
+            return True
+
+        return self._probe("history:" + role, check)
 
     def _renders_verbatim(self, role: str) -> bool:
         """Does the template put a ``role`` message's content into its output unchanged? Checked with
         :data:`VERBATIM_PROBES` plus a control-string marker, against the same fixed history the local delta uses."""
-        if role not in self._probed:
+        def check() -> bool:
             probes = list(VERBATIM_PROBES) + ([self._controls[0] + " x " + self._controls[-1]] if self._controls else [])
             history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _ASSISTANT_SENTINEL}]
-            ok = True
+            for probe in probes:
+                full = self._render_raw(history + [{"role": role, "content": self.escape(probe)}], True)
+                at = full.find(_ASSISTANT_SENTINEL)
+                if at < 0 or full[at + len(_ASSISTANT_SENTINEL):] != \
+                        self._tail(role).replace(_MESSAGE_SENTINEL, self.escape(probe)):
+                    return False
+            return True
+
+        return self._probe(role, check)
+
+    def _probe(self, key: str, check) -> bool:
+        """``check()`` once per key, remembered; a template that fails on a probe gets no shortcut."""
+        if key not in self._probed:
             try:
-                for probe in probes:
-                    full = self._render_raw(history + [{"role": role, "content": self.escape(probe)}], True)
-                    at = full.find(_ASSISTANT_SENTINEL)
-                    if at < 0 or full[at + len(_ASSISTANT_SENTINEL):] != \
-                            self._tail(role).replace(_MESSAGE_SENTINEL, self.escape(probe)):
-                        ok = False
-                        break
-            except Exception:  # noqa: BLE001 -- a template that fails on a probe gets no shortcut
-                ok = False
-            self._probed[role] = ok
-        return self._probed[role]
+                self._probed[key] = bool(check())
+            except Exception:  # noqa: BLE001 -- any template failure on a probe means: render against the history
+                self._probed[key] = False
+        return self._probed[key]
