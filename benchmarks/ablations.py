@@ -280,7 +280,8 @@ def write_report(study: Study, results: dict[str, list[dict]], summary: dict, ve
                                                                  if smoke else ""),
         "",
         f"- Task: the `demo` preset (tiny model `{study.model}`, 6-digit multiplications where only the python "
-        f"tool's output is right), one shared SFT warm start ({sft_wall:.0f} s), then RL.",
+        f"tool's output is right), one shared SFT warm start"
+        f"{'' if math.isnan(sft_wall) else f' ({sft_wall:.0f} s)'}, then RL.",
         f"- Budget per run: {study.updates} updates x {study.batch} trajectories = {study.updates * study.batch} "
         f"trajectories, for every variant (GRPO: {study.batch // 4} prompts x 4 samples per update).",
         f"- Seeds: {', '.join(map(str, study.seeds))} (`loop.seed`: prompt order and sampling; the warm start is shared).",
@@ -332,6 +333,8 @@ def parse_args(argv):
                    help="stop starting runs after this many minutes (sequential mode); the report says what was left")
     p.add_argument("--runs-dir", default=None, help="where run directories go (default runs/ablations; smoke: a temp dir)")
     p.add_argument("--out", default=None, help="report path (default docs/results.md; smoke: RUNS_DIR/results.md)")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rebuild the report and figures from the finished runs under --runs-dir")
     p.add_argument("--smoke", action="store_true", help="2 updates x 4 trajectories per variant, 1 seed, tiny SFT")
     return p.parse_args(argv)
 
@@ -356,8 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     from agentenv.config import load_config
 
     study.model = load_config("demo", [], sft).model.name
-    model_dir, sft_wall = warm_start_once(study, runs_dir / "sft_model")
-    print(f"warm start: {model_dir} ({sft_wall:.0f}s)")
+    if args.report_only:  # rebuild the report from finished runs already under --runs-dir (e.g. a study cut short)
+        model_dir, sft_wall = str(runs_dir / "sft_model"), math.nan
+    else:
+        model_dir, sft_wall = warm_start_once(study, runs_dir / "sft_model")
+        print(f"warm start: {model_dir} ({sft_wall:.0f}s)")
     jobs = [(run_overrides(study, v, seed, model_dir, runs_dir / f"{v}-seed{seed}") + extra, f"{v}-seed{seed}")
             for seed in study.seeds for v in study.variants]
     done: list[dict] = []
@@ -373,11 +379,22 @@ def main(argv: list[str] | None = None) -> int:
         plots = {name: plot_comparison(name, vs, results, figdir / f"{name}.png", claim)
                  for name, (vs, claim) in COMPARISONS.items() if all(results.get(v) for v in vs)} if final else {}
         skipped = [name for _, name in jobs if name not in {r["name"] for r in done}]
+        total = (sum(r["wall_s"] for r in done if not math.isnan(r["wall_s"])) if args.report_only
+                 else time.perf_counter() - t_all)
         write_report(study, results, summary, verdicts(summary), plots, out, sft_wall=sft_wall,
-                     total_wall=time.perf_counter() - t_all, smoke=args.smoke, command=command, skipped=skipped)
+                     total_wall=total, smoke=args.smoke, command=command, skipped=skipped)
 
     deadline = t_all + args.budget_min * 60 if args.budget_min else math.inf
-    if args.jobs > 1:
+    if args.report_only:
+        for _, name in jobs:
+            d = runs_dir / name
+            recs = read_metrics(d) if (d / "metrics.jsonl").exists() else []
+            if len(recs) == study.updates:
+                summ = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
+                done.append({"name": name, "run_dir": str(d), "updates": len(recs),
+                             "wall_s": float(summ.get("summary", {}).get("wall_s", math.nan)),
+                             "accounting_balance": recs[-1].get("accounting_balance")})
+    elif args.jobs > 1:
         import multiprocessing as mp
 
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context("spawn")) as pool:
