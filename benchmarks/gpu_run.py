@@ -54,7 +54,7 @@ DELTA = 1e-3
 # Both runs: colocated (one engine, one learner, one GPU), bf16 compute, no evaluation, no checkpoints.
 COMMON = ["model.backend=vllm", "model.dtype=bfloat16", "model.gradient_checkpointing=true", "loop.backend=local",
           "loop.queue_size=1", "loop.checkpoint_every=0", "eval.every=0", "eval.at_start=false", "eval.at_end=false",
-          "sft.enabled=false", "run.plot=false", "run.tensorboard=false", "launch.gpus=1", "launch.learner_gpus=1",
+          "sft.enabled=false", "run.plot=false", "run.tensorboard=false", "launch.gpus=1", "launch.learner_world_size=1",
           "launch.vllm_engines=1", "launch.vllm_tensor_parallel=1", "algo.lr=1e-6", "rollout.temperature=1.0",
           "rollout.top_p=1.0", "rollout.top_k=0"]
 TASKS = {
@@ -215,7 +215,7 @@ def lag0_kl(run_dir: Path, model_path: str, device: str, autocast: bool, limit: 
         sampled = {v for v, m in zip(t.get("policy_version") or [], t.get("action_mask") or []) if m}
         return sampled == {0}
 
-    trajs = [t for t in read_jsonl(run_dir / "loop" / "trajectories.jsonl") if version_0_only(t)]
+    trajs = [t for t in read_jsonl(run_dir / "trajectories.jsonl") if version_0_only(t)]
     if not trajs:
         return []
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
