@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import lzma
 import math
 import os
 import warnings
@@ -205,7 +206,10 @@ class TruncatedLineWarning(UserWarning):
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[Trajectory]:
-    with open(path, "rb") as f:
+    """Trajectories from a JSONL file, read lazily; ``*.xz`` files (e.g. the shipped expert demos) are decompressed
+    on the fly."""
+    opener = lzma.open if str(path).endswith(".xz") else open
+    with opener(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")

@@ -7,7 +7,10 @@ Contract
   shuffling) and ``AlfredInfos`` wrappers, requesting ``won`` and ``admissible_commands``.
 * Data root (a folder holding ``json_2.1.1/<split>/<task>/<trial>/game.tw-pddl`` and ``logic/``): the ``data_dir``
   argument, else ``$ALFWORLD_DATA``, else ``~/.cache/alfworld`` if ``alfworld-download`` filled it, else the small
-  sample shipped in ``envs/data/alfworld_sample`` (24 games, 4 per task type). A split missing
+  sample shipped in ``envs/data/alfworld_sample`` (24 games, 4 per task type). ``data_dir`` may also name a shipped
+  root: ``builtin:sample`` (that sample) or ``builtin:demo`` (the CPU demo's games, see :data:`DEMO_ARCHIVE`: every
+  ``valid_seen`` / ``valid_unseen`` game of two task types and 128 of their train games, unpacked once into the
+  agentenv cache). A split missing
   from the root is a :class:`ALFWorldDataError` that says how to get the data. Splits: ``train``, ``valid_seen``
   (alias ``seen``, 140 games), ``valid_unseen`` (alias ``unseen``, 134 games), ``valid_train``. A split's games are
   the ones ``AlfredTWEnv`` collects (a ``traj_data.json`` next to the game, marked solvable, no movable/sliced
@@ -53,6 +56,10 @@ GAMES_SUBDIR = "json_2.1.1"
 GAME_FILE = "game.tw-pddl"
 TRAJ_FILE = "traj_data.json"
 _ALFWORLD_DEFAULT_CACHE = Path("~/.cache/alfworld").expanduser()  # alfworld.info's default for $ALFWORLD_DATA
+# The demo's games as one xz tarball (~0.3 MB; the same games unpacked are ~15 MB): made by
+# scripts/make_alfworld_demo_data.py from the released json_2.1.1 archive.
+DEMO_ARCHIVE = Path(__file__).resolve().parent / "data" / "alfworld_demo_games.tar.xz"
+BUILTIN_PREFIX = "builtin:"
 log = logging.getLogger(__name__)
 
 SPLITS = {
@@ -105,7 +112,10 @@ def resolve_data_root(data_dir: str | os.PathLike | None = None) -> Path:
     """The data root to use: ``data_dir``, else ``$ALFWORLD_DATA``, else ``~/.cache/alfworld`` when
     ``alfworld-download`` has put games there, else the shipped sample.
 
-    A folder that is itself ``json_2.1.1`` is accepted too (its parent is the root)."""
+    A folder that is itself ``json_2.1.1`` is accepted too (its parent is the root), and ``builtin:sample`` /
+    ``builtin:demo`` name the shipped games."""
+    if isinstance(data_dir, str) and data_dir.startswith(BUILTIN_PREFIX):
+        return builtin_root(data_dir[len(BUILTIN_PREFIX):])
     env_value = os.environ.get(DATA_ENV_VAR)
     # Importing alfworld sets $ALFWORLD_DATA to its download cache when unset (alfworld/info.py), so that value is
     # treated as the download-cache step below: the answer must not depend on whether alfworld was imported yet.
@@ -125,6 +135,30 @@ def resolve_data_root(data_dir: str | os.PathLike | None = None) -> Path:
     if not (root / GAMES_SUBDIR).is_dir():
         raise ALFWorldDataError(_how_to_get_data(f"{source}={str(root)!r} has no {GAMES_SUBDIR}/ folder."))
     return root.resolve()
+
+
+def builtin_root(name: str) -> Path:
+    """A shipped data root: ``sample`` (the 24-game sample folder) or ``demo`` (:data:`DEMO_ARCHIVE`, unpacked on first
+    use into ``$AGENTENV_CACHE`` under a name that carries the archive's hash, so a new archive never mixes with an
+    old copy)."""
+    if name == "sample":
+        return SAMPLE_DIR
+    if name != "demo":
+        raise ValueError(f"unknown shipped ALFWorld data {BUILTIN_PREFIX}{name}; expected builtin:sample or builtin:demo")
+    import hashlib
+    import tarfile
+
+    from agentenv.cache import atomic_dir, cache_dir
+
+    if not DEMO_ARCHIVE.is_file():
+        raise ALFWorldDataError(f"the shipped demo games {DEMO_ARCHIVE} are missing (a broken install?)")
+    digest = hashlib.sha256(DEMO_ARCHIVE.read_bytes()).hexdigest()[:12]
+
+    def unpack(out: Path) -> None:
+        with tarfile.open(DEMO_ARCHIVE, "r:xz") as tar:
+            tar.extractall(out, filter="data")  # "data": no absolute paths, links or devices out of the archive
+
+    return atomic_dir(cache_dir() / f"alfworld-demo-{digest}", unpack).resolve()
 
 
 @lru_cache(maxsize=1)
