@@ -267,7 +267,8 @@ def _add_sft(sub) -> None:
                                    "expert`), or the scripted python-tool demos (--demos scripted). Writes a checkpoint "
                                    "directory usable as --model DIR.")
     p.add_argument("--model", default="tiny:128x4")
-    p.add_argument("--demos", default="scripted", help="'scripted' or a trajectories JSONL path")
+    p.add_argument("--demos", default="scripted", help="'scripted', a trajectories JSONL path (.jsonl or .jsonl.xz), "
+                                                       "or builtin:NAME for shipped demos (builtin:alfworld_expert_demos)")
     p.add_argument("--num-demos", type=int, default=1000)
     p.add_argument("--tool-fraction", type=float, default=0.25, help="scripted demos: share that call the tool")
     p.add_argument("--all", action="store_true", help="also imitate unsuccessful demos (default: successes only)")
@@ -275,6 +276,8 @@ def _add_sft(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--context-loss-weight", type=float, default=0.0,
+                   help="also predict prompt/observation tokens with this weight (for a model trained from scratch)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.set_defaults(func=cmd_sft)
@@ -283,24 +286,27 @@ def _add_sft(sub) -> None:
 def cmd_sft(args) -> int:
     from agentenv import demo
     from agentenv.models import ModelNotAvailable
-    from agentenv.sft import SFTConfig, load_model_and_tokenizer, prepare_demos, save_checkpoint_dir, train_sft
+    from agentenv.sft import (SFTConfig, demos_path, load_model_and_tokenizer, prepare_demos, save_checkpoint_dir,
+                              train_sft)
     from agentenv.trajectory import iter_jsonl
 
     try:
         model, tok, _ = load_model_and_tokenizer(args.model)
-    except ModelNotAvailable as e:
+        path = demos_path(args.demos) if args.demos != "scripted" else None
+    except (ModelNotAvailable, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.demos == "scripted":
         demos = demo.demo_trajectories(tok, args.num_demos, args.tool_fraction, seed=args.seed + 1)
     else:
         raw = []
-        for t in iter_jsonl(args.demos):
+        for t in iter_jsonl(path):
             raw.append(t)
             if len(raw) >= args.num_demos:
                 break
         demos = prepare_demos(raw, tok, only_successful=not args.all, max_tokens=args.max_tokens)
-    r = train_sft(model, demos, SFTConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed))
+    r = train_sft(model, demos, SFTConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+                                          context_loss_weight=args.context_loss_weight))
     out = save_checkpoint_dir(model, tok, args.out)
     print(f"sft demos={r['demos']} steps={r['steps']} loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} "
           f"wall={r['wall_s']:.0f}s -> {out}")

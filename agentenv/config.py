@@ -129,6 +129,9 @@ class SFTSection(_Section):
     epochs: int = Field(3, ge=1)
     lr: float = Field(1e-4, gt=0)
     batch_size: int = Field(16, ge=1)
+    # > 0: SFT also predicts the prompt/observation tokens with this weight (agentenv.sft: for a model trained from
+    # scratch, language-model signal on the env's own text; 0 = the usual loss on the assistant's tokens only)
+    context_loss_weight: float = Field(0.0, ge=0)
 
 
 class RunSection(_Section):

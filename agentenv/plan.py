@@ -66,9 +66,12 @@ def launch_plan(cfg: RunConfig) -> dict:
                        "detail": f"expert plays of {env_id}" if env_id in EXPERTS else
                        f"{env_id} has no scripted expert (experts exist for: {', '.join(EXPERTS)})"})
     elif cfg.sft.enabled and cfg.sft.demos != "scripted":
-        from pathlib import Path
+        from agentenv.sft import demos_path
 
-        checks.append({"what": "sft demos", "ok": Path(cfg.sft.demos).exists(), "detail": cfg.sft.demos})
+        try:
+            checks.append({"what": "sft demos", "ok": True, "detail": str(demos_path(cfg.sft.demos))})
+        except FileNotFoundError as e:
+            checks.append({"what": "sft demos", "ok": False, "detail": str(e)})
 
     vllm = cfg.model.backend == "vllm"
     engines = (cfg.loop.num_workers if cfg.loop.backend == "ray" else 1) if vllm else 0

@@ -7,8 +7,11 @@ Contract:
   ALFWorld walkthrough) are tokenized from their ``messages`` through :class:`agentenv.chat.ChatSequence` -- the
   same machinery the runtime uses -- so the tokens, the template glue and the ``action_mask`` are exactly what RL
   will see later.
-* Loss: mean negative log-likelihood over ``action_mask`` tokens only (the assistant's own tokens incl. its
-  end-of-turn token); prompt, observation and tool-output tokens are context, never targets. Computed with the
+* Loss: mean negative log-likelihood over ``action_mask`` tokens (the assistant's own tokens incl. its end-of-turn
+  token). By default prompt, observation and tool-output tokens are context, never targets; ``context_loss_weight``
+  > 0 adds that weight times the mean NLL of those tokens too (language-model pretraining on the env's text: for a
+  model trained from scratch it is ~25x more signal per sequence, and the repeats in observations -- the same
+  admissible commands turn after turn -- teach it to copy, which picking a listed command needs). Computed with the
   trainer's chunked log-probs, so no ``[tokens x vocab]`` tensor is ever materialised.
 * ``only_successful`` (default True) keeps demos with ``success`` -- imitation of failures teaches failure.
 * Output: a transformers checkpoint directory (model + tokenizer) that ``--model DIR`` loads anywhere in agentenv.
@@ -44,6 +47,24 @@ class SFTConfig:
     seed: int = 0
     only_successful: bool = True
     max_tokens: int = 4096  # demos longer than this are skipped (their tokens would not fit a rollout either)
+    context_loss_weight: float = 0.0  # > 0: also predict prompt/observation tokens, with this weight (see module doc)
+
+
+def demos_path(demos: str) -> Path:
+    """A demos file named by config: a path, or ``builtin:NAME`` for demos shipped as
+    ``agentenv/envs/data/NAME.jsonl.xz`` (e.g. ``builtin:alfworld_expert_demos``). Raises FileNotFoundError."""
+    if not demos.startswith("builtin:"):
+        if not Path(demos).is_file():
+            raise FileNotFoundError(f"no demos file {demos!r}")
+        return Path(demos)
+    from agentenv import envs
+
+    data = Path(envs.__file__).parent / "data"
+    path = data / f"{demos[len('builtin:'):]}.jsonl.xz"
+    if not path.is_file():
+        shipped = sorted(f"builtin:{p.name[:-len('.jsonl.xz')]}" for p in data.glob("*.jsonl.xz"))
+        raise FileNotFoundError(f"no shipped demos {demos!r}; shipped: {', '.join(shipped) or 'none'}")
+    return path
 
 
 def trajectory_from_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None, **fields) -> Trajectory:
@@ -101,12 +122,19 @@ def prepare_demos(trajs: Sequence[Trajectory], tokenizer, *, only_successful: bo
     return out
 
 
-def sft_loss(model, batch) -> torch.Tensor:
-    """Mean NLL over the batch's action tokens (token mean: every demonstrated token counts once)."""
+def sft_loss(model, batch, context_loss_weight: float = 0.0) -> torch.Tensor:
+    """Mean NLL over the batch's action tokens (token mean: every demonstrated token counts once), plus
+    ``context_loss_weight`` x the mean NLL over its other real tokens (all but each sequence's first)."""
     from agentenv.trainer.logprobs import token_log_probs
 
-    logp, _ = token_log_probs(model, batch.input_ids, batch.attention_mask, batch.action_mask)
-    return -(logp[batch.action_mask]).mean()
+    if not context_loss_weight:
+        logp, _ = token_log_probs(model, batch.input_ids, batch.attention_mask, batch.action_mask)
+        return -(logp[batch.action_mask]).mean()
+    predicted = batch.attention_mask.clone()
+    predicted[:, 0] = False
+    logp, _ = token_log_probs(model, batch.input_ids, batch.attention_mask, predicted)
+    context = predicted & ~batch.action_mask
+    return -(logp[batch.action_mask]).mean() - context_loss_weight * logp[context].mean()
 
 
 def train_sft(model, demos: Sequence[Trajectory], cfg: SFTConfig = SFTConfig(), *, progress: bool = True,
@@ -136,7 +164,7 @@ def train_sft(model, demos: Sequence[Trajectory], cfg: SFTConfig = SFTConfig(), 
             rng.shuffle(order)
             for s in range(0, len(order), cfg.batch_size):
                 batch = collate([demos[i] for i in order[s:s + cfg.batch_size]], pad_token_id=pad)
-                loss = sft_loss(model, batch)
+                loss = sft_loss(model, batch, cfg.context_loss_weight)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -147,6 +175,8 @@ def train_sft(model, demos: Sequence[Trajectory], cfg: SFTConfig = SFTConfig(), 
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{losses[-1]:.3f}")
+                elif step % max(1, total // 20) == 0 or step == total:  # greppable progress without a bar
+                    log.info("sft step %d/%d loss %.3f (%.0fs)", step, total, losses[-1], time.perf_counter() - t0)
                 if on_step is not None:
                     on_step(step, losses[-1])
                 if should_stop is not None and should_stop():

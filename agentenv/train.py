@@ -226,7 +226,7 @@ def warm_start(cfg: RunConfig, model_path: str, out: Path, *, progress: bool = T
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentenv import demo
-    from agentenv.sft import SFTConfig, prepare_demos, save_checkpoint_dir, train_sft
+    from agentenv.sft import SFTConfig, demos_path, prepare_demos, save_checkpoint_dir, train_sft
     from agentenv.trajectory import iter_jsonl
 
     tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
@@ -236,11 +236,11 @@ def warm_start(cfg: RunConfig, model_path: str, out: Path, *, progress: bool = T
         demos = demo.demo_trajectories(tok, s.num_demos, s.tool_fraction, seed=cfg.loop.seed + 1)
     else:
         raw = (expert_demos(cfg, out.parent / "sft_demos.jsonl", progress=progress, echo=echo) if s.demos == "expert"
-               else list(iter_jsonl(s.demos))[: s.num_demos])
+               else list(iter_jsonl(demos_path(s.demos)))[: s.num_demos])
         demos = prepare_demos(raw, tok, max_tokens=cfg.rollout.max_total_tokens)
     echo(f"sft warm start: {len(demos)} demos ({s.demos}), {s.epochs} epochs, lr {s.lr}")
-    r = train_sft(model, demos, SFTConfig(epochs=s.epochs, lr=s.lr, batch_size=s.batch_size, seed=cfg.loop.seed),
-                  progress=progress)
+    r = train_sft(model, demos, SFTConfig(epochs=s.epochs, lr=s.lr, batch_size=s.batch_size, seed=cfg.loop.seed,
+                                          context_loss_weight=s.context_loss_weight), progress=progress)
     echo(f"sft done: loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} in {r['steps']} steps, {r['wall_s']:.0f}s")
     return save_checkpoint_dir(model, tok, out)
 
