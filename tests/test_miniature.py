@@ -67,6 +67,22 @@ def test_alfworld_vocabulary_encodes_alfworld_text_in_fewer_tokens():
     assert n_alf < 0.6 * n_small, (n_small, n_alf)
     assert alf.decode(alf(text)["input_ids"]) == text  # lossless
     assert len(alf(" desklamp")["input_ids"]) == 1  # a word after a space, as in the game text
+
+
+def test_alfworld_vocabulary_writes_a_command_with_the_same_tokens_as_the_admissible_list():
+    """Copying a listed command is then one lookup per token: the tags are whole tokens, and neither the tag nor a
+    space fuses with the command's words or numbers."""
+    from agentenv.tiny import small_tokenizer
+
+    tok = small_tokenizer("small-alfworld")
+    for command in ("take alarmclock 1 from sidetable 2", "move pillow 10 to armchair 1", "go to desk 1", "look"):
+        listed = tok(f"Admissible actions:\n{command}\nhelp")["input_ids"]
+        acted = tok(f"<action>{command}</action>")["input_ids"]
+        assert acted[0] == tok.convert_tokens_to_ids("<action>") and acted[-1] == tok.convert_tokens_to_ids("</action>")
+        body = acted[1:-1]
+        assert any(listed[i:i + len(body)] == body for i in range(len(listed))), (command, body)
+        assert tok.decode(acted) == f"<action>{command}</action>"
+    assert [tok.decode([i]) for i in tok(" 12")["input_ids"]] == [" 12"]
     with pytest.raises(ValueError, match="small vocab"):
         small_tokenizer("nope")
 
@@ -114,8 +130,8 @@ def _demo_cfg(tmp_path, *extra):
     from agentenv.config import load_config
 
     return load_config("alfworld_demo", [], [
-        f"run.dir={tmp_path}", "model.name=tiny-bpe-alfworld:64x2", "sft.num_demos=4", "sft.epochs=1",
-        "sft.batch_size=4", "sft.expert_noise=0.0", "loop.total_updates=2", "loop.batch_size=2",
+        f"run.dir={tmp_path}", "model.name=tiny-bpe-alfworld:64x2", "sft.demos=expert", "sft.num_demos=4",
+        "sft.epochs=1", "sft.batch_size=4", "sft.expert_noise=0.0", "loop.total_updates=2", "loop.batch_size=2",
         "loop.concurrency=2", "eval.samples=1", "run.tensorboard=false", *extra])
 
 
@@ -153,18 +169,86 @@ def test_expert_demos_without_a_win_stop_with_the_fix(tmp_path):
         expert_demos(cfg, tmp_path / "demos.jsonl", progress=False, echo=lambda *_: None)
 
 
-def test_alfworld_demo_two_updates_on_the_sample(tmp_path, monkeypatch):
-    """`agentenv demo --env alfworld` end to end on the shipped sample, 2 updates: expert demos -> SFT -> eval on
-    valid_seen and valid_unseen -> FlashREINFORCE -> eval again -> the before/after table with intervals."""
+def test_shipped_demo_games_unpack_once_into_the_cache(tmp_path, monkeypatch):
+    from agentenv.envs.alfworld import DEMO_ARCHIVE, list_games, resolve_data_root
+
+    monkeypatch.setenv("AGENTENV_CACHE", str(tmp_path))
+    root = resolve_data_root("builtin:demo")
+    assert root.parent == tmp_path.resolve() and root.name.startswith("alfworld-demo-")
+    sizes = {s: len(list_games(s, "builtin:demo")) for s in ("train", "valid_seen", "valid_unseen")}
+    assert sizes == {"train": 128, "valid_seen": 48, "valid_unseen": 42}  # every eval game of the two task types
+    assert {g.split("/")[2].split("-")[0] for g in list_games("train", "builtin:demo")} == {
+        "pick_and_place_simple", "look_at_obj_in_light"}
+    assert resolve_data_root("builtin:demo") == root and len(list(tmp_path.iterdir())) == 1  # unpacked once
+    assert DEMO_ARCHIVE.stat().st_size < 1_000_000
+    with pytest.raises(ValueError, match="builtin:sample or builtin:demo"):
+        resolve_data_root("builtin:nope")
+
+
+def test_shipped_expert_demos_are_what_the_env_says_today():
+    """The shipped demos are text; replaying their actions on the same games must give exactly their observations
+    (system prompt included), or the SFT warm start would imitate an env that no longer exists."""
+    from agentenv.envs.alfworld import ALFWorldEnv
+    from agentenv.sft import demos_path
+    from agentenv.trajectory import iter_jsonl
+
+    cfg = yaml.safe_load((REPO / "configs" / "alfworld_demo.yaml").read_text())
+    demos = list(iter_jsonl(demos_path(cfg["sft"]["demos"])))
+    assert len(demos) == 1098 and all(d.success for d in demos)
+    kw = {**cfg["env"]["kwargs"], "max_turns": cfg["rollout"]["max_turns"]}
+    env = ALFWorldEnv("train", **kw)
+    shipped = {d.task: d for d in demos}
+    replayed = 0
+    try:
+        for game in env.games[::16]:  # 8 of the 128 shipped train games, both task types
+            d = shipped[game]
+            obs, info = env.reset(options={"game": game})
+            msgs = [m for m in d.messages if m["role"] in ("system", "user", "assistant")]
+            assert msgs[0] == {"role": "system", "content": info["system"]} and msgs[1]["content"] == obs
+            for i in range(2, len(msgs) - 1, 2):
+                obs, reward, terminated, truncated, info = env.step(msgs[i]["content"])
+                assert msgs[i + 1]["content"] == obs, (game, i)
+            assert terminated and info["success"]
+            replayed += 1
+    finally:
+        env.close()
+    assert replayed == 8
+
+
+def test_sft_context_loss_adds_the_observation_tokens_nll():
+    import torch
+
+    from agentenv.models import resolve_model
+    from agentenv.sft import sft_loss, trajectory_from_messages
+    from agentenv.trainer.batch import collate
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model("tiny-bpe-alfworld:64x2").path
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    chats = [[{"role": "user", "content": "You arrive at desk 1.\n\nAdmissible actions:\nlook\ngo to bed 1"},
+              {"role": "assistant", "content": "<action>look</action>"}],
+             [{"role": "user", "content": "Your task is to: put a pen in desk."},
+              {"role": "assistant", "content": "<action>go to desk 1</action>"},
+              {"role": "user", "content": "You arrive at desk 1."}, {"role": "assistant", "content": "<action>look</action>"}]]
+    batch = collate([trajectory_from_messages(tok, c) for c in chats], pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float(), -1)
+        nll = -logp.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+        act, real = batch.action_mask[:, 1:], batch.attention_mask[:, 1:]
+        want_action, want_context = nll[act].mean(), nll[real & ~act].mean()
+        assert float(sft_loss(model, batch)) == pytest.approx(float(want_action), rel=1e-5)
+        assert float(sft_loss(model, batch, 0.5)) == pytest.approx(float(want_action + 0.5 * want_context), rel=1e-5)
+
+
+def test_alfworld_demo_two_updates_on_the_shipped_games(tmp_path, monkeypatch):
+    """`agentenv demo --env alfworld` end to end on the shipped games, 2 updates: shipped expert demos -> SFT ->
+    eval on valid_seen and valid_unseen -> FlashREINFORCE -> eval again -> the before/after table with intervals."""
     from agentenv.cli import main
 
-    import agentenv.envs.alfworld as alf
-
     monkeypatch.delenv("ALFWORLD_DATA", raising=False)
-    monkeypatch.setattr(alf, "_ALFWORLD_DEFAULT_CACHE", tmp_path / "no-download")  # so the shipped sample is used
-    sets = ["model.name=tiny-bpe-alfworld:64x2", "sft.num_demos=4", "sft.epochs=1", "sft.batch_size=4",
-            "loop.total_updates=2", "loop.batch_size=2", "loop.concurrency=2", "eval.samples=1",
-            "run.tensorboard=false"]
+    sets = ["model.name=tiny-bpe-alfworld:64x2", "sft.num_demos=8", "sft.epochs=1", "sft.batch_size=4",
+            "loop.total_updates=2", "loop.batch_size=2", "loop.concurrency=2", "eval.samples=1", "eval.episodes=2",
+            "env.num_tasks=4", "run.tensorboard=false"]
     argv = ["demo", "--env", "alfworld", "--no-progress", "--run-dir", str(tmp_path / "run")]
     for s in sets:
         argv += ["--set", s]
@@ -177,15 +261,13 @@ def test_alfworld_demo_two_updates_on_the_sample(tmp_path, monkeypatch):
     assert set(res["before"]) == set(res["after"]) == {"valid_seen", "valid_unseen"}
     for split in ("valid_seen", "valid_unseen"):
         b = res["before"][split]
-        assert b["episodes"] == 2 and set(b["episodes_by_type"]) == {"pick_and_place", "look_at_obj_in_light"}
-        assert "success_pick_and_place" in b and b["policy_versions"] == [0]
+        assert b["episodes"] == 2 and b["policy_versions"] == [0]
         assert res["after"][split]["policy_versions"] == [final_version]  # the learner's weights at the end
     assert any("95% Wilson" in line for line in res["table"])
     assert any(line.strip().startswith("valid_unseen") for line in res["table"])
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in recs if "event" not in r] == [1, 2]
-    assert (run / "sft_demos.jsonl").exists() and (run / "sft_model" / "config.json").exists()
-    assert (run / "curves.png").exists()
+    assert (run / "sft_model" / "config.json").exists() and (run / "curves.png").exists()
 
 
 # ------------------------------------------------------------------------------------------------------ ablations
