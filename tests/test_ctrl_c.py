@@ -15,8 +15,11 @@ EXE = Path(sys.executable).with_name("agentenv")
 def _run_and_interrupt(args, ready, tmp_path):
     log = tmp_path / "log.txt"
     with open(log, "w") as f:
+        # SIGINT as at a terminal: a suite started in the background (`cmd &` in a script) inherits SIGINT ignored,
+        # and Python then installs no KeyboardInterrupt handler, so the child would never see the Ctrl-C.
         p = subprocess.Popen([str(EXE) if EXE.exists() else "agentenv", *args], stdout=f, stderr=subprocess.STDOUT,
-                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and p.poll() is None and not ready(log.read_text()):
             time.sleep(0.2)
