@@ -263,7 +263,7 @@ def machine() -> str:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    except OSError:
+    except OSError:  # no /proc (not Linux): platform's answer above stands
         pass
     return (f"{cpu}, {os.cpu_count()} logical CPUs visible, Python {platform.python_version()}, torch "
             f"{torch.__version__}, {platform.system()} {platform.release()}")
