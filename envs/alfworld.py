@@ -24,6 +24,10 @@ Contract
   that is not admissible, leaves the game unchanged, is answered with an observation that says why, sets
   ``info["invalid_action"]`` and costs a turn; the ``invalid_action_budget``-th invalid action ends the episode
   (``terminated``, ``finish_reason="invalid_action_budget"``).
+* ``numbered_actions=True`` numbers the list (``1. go to desk 1``) and the reply may name a command by its number
+  (``<action>1</action>``) as well as by its text (:data:`NUMBERED_SYSTEM_PROMPT_TEMPLATE`; :func:`resolve_command`):
+  the policy then chooses among the listed commands rather than spelling one out. Game, reward and limits are the
+  same; ``info["numbered_actions"]`` says which format is in force.
 * Reward is terminal success as in the ALFWorld paper: 1.0 on the step that wins the game (``terminated``,
   ``info["success"]=True``), else 0.0. After ``max_turns`` steps (valid or not) without a win the episode is
   ``truncated`` with ``finish_reason="max_turns"``; running out of turns is never success.
@@ -91,6 +95,17 @@ admissible actions. Reply with exactly one of those actions, copied from the lis
 You may reason before the tag; only the last <action>...</action> in your reply is used. Case and extra spaces do \
 not matter. A reply without the tag, or with an action that is not in the list, is invalid: nothing happens, it \
 costs a turn, and {budget}. You have {max_turns} turns. The episode ends as soon as the task is done."""
+
+# numbered_actions=True: the list is numbered and the reply names a number. A policy then chooses among the listed
+# commands instead of spelling one out; the CPU demo uses it (README, "The ALFWorld demo").
+NUMBERED_SYSTEM_PROMPT_TEMPLATE = """\
+You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the numbered list \
+of admissible actions. Reply with the number of exactly one of those actions inside an action tag, for example:
+<action>3</action>
+You may reason before the tag; only the last <action>...</action> in your reply is used. The action itself, copied \
+from the list, is accepted too. A reply without the tag, or with a number or action that is not in the list, is \
+invalid: nothing happens, it costs a turn, and {budget}. You have {max_turns} turns. The episode ends as soon as the \
+task is done."""
 
 
 class ALFWorldDataError(FileNotFoundError):
@@ -252,8 +267,26 @@ def _install_translation_memo() -> None:
     fast_downward.pddl2sas = pddl2sas
 
 
-def _format_commands(commands: list[str]) -> str:
+def _format_commands(commands: list[str], numbered: bool = False) -> str:
+    if numbered:
+        return "Admissible actions:\n" + "\n".join(f"{i}. {c}" for i, c in enumerate(commands, 1))
     return "Admissible actions:\n" + "\n".join(commands)
+
+
+def resolve_command(reply: str, commands: list[str], numbered: bool) -> tuple[str | None, str | None]:
+    """``(command, None)`` for an admissible reply, else ``(None, why)``: the observation text for an invalid one.
+    With ``numbered``, a tag holding a list number ``i`` (1-based) names ``commands[i - 1]``."""
+    command = parse_action(reply)
+    if command is None:
+        return None, "Invalid action: your reply has no <action>...</action> tag. Nothing happens."
+    if numbered and command.isdigit():
+        i = int(command)
+        if 1 <= i <= len(commands):
+            return commands[i - 1], None
+        return None, f"Invalid action: {i} is not the number of an admissible action (1-{len(commands)}). Nothing happens."
+    if command not in commands:
+        return None, f'Invalid action: "{command}" is not one of the admissible actions. Nothing happens.'
+    return command, None
 
 
 class ALFWorldEnv(TextEnv):
@@ -270,6 +303,7 @@ class ALFWorldEnv(TextEnv):
         invalid_action_budget: int | None = 10,
         task_types: Iterable[str] | None = None,
         expert: bool = False,
+        numbered_actions: bool = False,
         render_mode: str | None = None,
     ):
         super().__init__(render_mode=render_mode)
@@ -283,12 +317,14 @@ class ALFWorldEnv(TextEnv):
         self.max_turns = max_turns
         self.invalid_action_budget = invalid_action_budget
         self.expert = expert
+        self.numbered_actions = bool(numbered_actions)
         budget = (
             f"after {invalid_action_budget} invalid actions the episode ends"
             if invalid_action_budget is not None
             else "invalid actions are not otherwise limited"
         )
-        self.system_prompt = SYSTEM_PROMPT_TEMPLATE.format(budget=budget, max_turns=max_turns)
+        template = NUMBERED_SYSTEM_PROMPT_TEMPLATE if self.numbered_actions else SYSTEM_PROMPT_TEMPLATE
+        self.system_prompt = template.format(budget=budget, max_turns=max_turns)
         self._tw_env = None  # one textworld env, reloaded per game: each one dlopens its own copy of fast-downward
         self._loaded_game: Path | None = None
         self._state = None
@@ -365,7 +401,7 @@ class ALFWorldEnv(TextEnv):
             self._plan = list(self._state["extra.walkthrough"] or [])
             self._plan_pos = 0
         intro = self._state.feedback.replace(_BANNER, "").strip()
-        obs = f"{intro}\n\n{_format_commands(self._state.admissible_commands)}"
+        obs = f"{intro}\n\n{_format_commands(self._state.admissible_commands, self.numbered_actions)}"
         info = self._info(success=False)
         info["system"] = self.system_prompt
         self._last_text = obs
@@ -381,15 +417,10 @@ class ALFWorldEnv(TextEnv):
 
     def _step(self, action: str) -> tuple[str, float, bool, bool, dict]:
         self._turn += 1
-        commands = self._state.admissible_commands
-        command = parse_action(action)
-        invalid = command is None or command not in commands
+        command, text = resolve_command(action, self._state.admissible_commands, self.numbered_actions)
+        invalid = command is None
         if invalid:
             self._invalid += 1
-            if command is None:
-                text = "Invalid action: your reply has no <action>...</action> tag. Nothing happens."
-            else:
-                text = f'Invalid action: "{command}" is not one of the admissible actions. Nothing happens.'
         else:
             self._play(command)
             text = self._state.feedback.strip()
@@ -405,7 +436,7 @@ class ALFWorldEnv(TextEnv):
             truncated, finish_reason = True, "max_turns"
             text += f" That was the last of {self.max_turns} turns: the episode ends."
         self._done = terminated or truncated
-        obs = text if self._done else f"{text}\n\n{_format_commands(self._state.admissible_commands)}"
+        obs = text if self._done else f"{text}\n\n{_format_commands(self._state.admissible_commands, self.numbered_actions)}"
         info = self._info(success=won)
         info["invalid_action"] = invalid
         if finish_reason is not None:
@@ -430,6 +461,7 @@ class ALFWorldEnv(TextEnv):
             "turn": self._turn,
             "invalid_actions": self._invalid,
             "admissible_commands": list(self._state.admissible_commands),
+            "numbered_actions": self.numbered_actions,
             "success": success,
         }
         if self.expert and not self._done:

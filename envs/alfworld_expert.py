@@ -1,8 +1,9 @@
 """The ALFWorld expert: a non-LLM :class:`~agentenv.policy.TextPolicy` that plays ``info["expert_action"]``.
 
-Contract: ``ALFWorldExpert().act(messages, info)`` returns ``"<action>COMMAND</action>"`` for the command that the env
+Contract: ``ALFWorldExpert().act(messages, info)`` returns ``"<action>COMMAND</action>"`` (``"<action>N</action>"``, the
+command's list number, when ``info["numbered_actions"]``) for the command that the env
 (:class:`~agentenv.envs.alfworld.ALFWorldEnv` built with ``expert=True``) put in ``info["expert_action"]``: the
-game's stored walkthrough while the episode follows it, a PDDL-planner plan otherwise. It reads nothing else, so it
+game's stored walkthrough while the episode follows it, a PDDL-planner plan otherwise. It reads nothing but ``info``, so it
 goes through the normal env interface (parsing, admissibility, turn accounting) like any other policy, and a miswired
 env shows up as a clear error, never as a silently invalid action. ``env_kwargs`` names the env arguments it needs,
 for whoever builds the env (``agentenv.envs.alfworld.evaluate``, the CLI).
@@ -45,7 +46,14 @@ class ALFWorldExpert:
             others = [c for c in info.get("admissible_commands", ()) if c not in (action, "help")]
             with self._lock:
                 if others and self._rng.random() < self.noise:
-                    return f"<action>{self._rng.choice(others)}</action>"
+                    return self._reply(self._rng.choice(others), info)
         if action is None:
             raise RuntimeError(f"the PDDL planner found no plan from the current state of {info.get('task')!r}")
-        return f"<action>{action}</action>"
+        return self._reply(action, info)
+
+    @staticmethod
+    def _reply(command: str, info: dict) -> str:
+        """The tag as the env's format asks for it: the command's list number under ``numbered_actions``."""
+        if info.get("numbered_actions"):
+            return f"<action>{info['admissible_commands'].index(command) + 1}</action>"
+        return f"<action>{command}</action>"

@@ -157,6 +157,33 @@ def test_unparseable_and_inadmissible_actions_cost_a_turn(env):
     assert info["turn"] == 3 and info["invalid_actions"] == 2
 
 
+def test_numbered_actions_name_a_listed_command_by_its_number(data_dir):
+    env = ALFWorldEnv("valid_unseen", data_dir, numbered_actions=True, expert=True)
+    obs, info = env.reset(options={"game": PICK_PLACE})
+    commands = info["admissible_commands"]
+    assert info["numbered_actions"] and "<action>3</action>" in info["system"] and "numbered list" in info["system"]
+    assert obs.endswith("Admissible actions:\n" + "\n".join(f"{i}. {c}" for i, c in enumerate(commands, 1)))
+    for bad, why in (("<action>0</action>", f"0 is not the number of an admissible action (1-{len(commands)})"),
+                     (f"<action>{len(commands) + 1}</action>", "is not the number of an admissible action"),
+                     ("<action>go to the moon</action>", '"go to the moon" is not one of the admissible actions')):
+        obs, _, _, _, info = env.step(bad)
+        assert info["invalid_action"] and why in obs and info["admissible_commands"] == commands
+    target = commands.index("go to desk 2") + 1
+    obs, _, _, _, info = env.step(f"I will check the desk. <action> {target} </action>")
+    assert not info["invalid_action"] and obs.startswith("You arrive at desk 2") and info["invalid_actions"] == 3
+    obs, _, _, _, info = env.step("<action>go to desk 1</action>")  # the spelled-out command still works
+    assert not info["invalid_action"] and obs.startswith("You arrive at desk 1")
+    # The expert answers in the env's format and still wins: numbers index the list of the state they are played in.
+    done = False
+    while not done:
+        reply = ALFWorldExpert().act([], info)
+        assert reply == f"<action>{info['admissible_commands'].index(info['expert_action']) + 1}</action>"
+        _, reward, term, trunc, info = env.step(reply)
+        done = term or trunc
+    assert reward == 1.0 and info["success"]
+    env.close()
+
+
 def test_invalid_action_budget_ends_the_episode(data_dir):
     env = ALFWorldEnv("valid_unseen", data_dir, invalid_action_budget=2)
     env.reset(options={"game": PICK_PLACE})
