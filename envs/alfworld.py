@@ -97,7 +97,8 @@ not matter. A reply without the tag, or with an action that is not in the list, 
 costs a turn, and {budget}. You have {max_turns} turns. The episode ends as soon as the task is done."""
 
 # numbered_actions=True: the list is numbered and the reply names a number. A policy then chooses among the listed
-# commands instead of spelling one out; the CPU demo uses it (README, "The ALFWorld demo").
+# commands instead of spelling one out. The CPU demo tried it and kept spelled-out commands: its tiny model copies a
+# command more reliably than the digits in front of it (docs/alfworld_demo.md, "Second pass").
 NUMBERED_SYSTEM_PROMPT_TEMPLATE = """\
 You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the numbered list \
 of admissible actions. Reply with the number of exactly one of those actions inside an action tag, for example:
@@ -268,9 +269,8 @@ def _install_translation_memo() -> None:
 
 
 def _format_commands(commands: list[str], numbered: bool = False) -> str:
-    if numbered:
-        return "Admissible actions:\n" + "\n".join(f"{i}. {c}" for i, c in enumerate(commands, 1))
-    return "Admissible actions:\n" + "\n".join(commands)
+    lines = (f"{i}. {c}" for i, c in enumerate(commands, 1)) if numbered else commands
+    return "Admissible actions:\n" + "\n".join(lines)
 
 
 def resolve_command(reply: str, commands: list[str], numbered: bool) -> tuple[str | None, str | None]:
