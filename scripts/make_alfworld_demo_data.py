@@ -57,7 +57,8 @@ def build_games(root: Path, task_types: list[str], n_train: int, seed: int) -> l
     return games
 
 
-def build_demos(root: Path, preset: dict, workers: int) -> None:
+def build_demos(root: Path, preset: dict, workers: int, player: str = "searcher", out: Path = OUT_DEMOS,
+                won_only: bool = True) -> None:
     """The expert on every train game of the preset's task types, ``workers`` processes (textworld holds a global
     lock per process), written in game order."""
     from concurrent.futures import ProcessPoolExecutor
@@ -67,11 +68,12 @@ def build_demos(root: Path, preset: dict, workers: int) -> None:
     n = len(list_games("train", root, preset["env"]["kwargs"]["task_types"]))
     parts = [list(range(i, n, workers)) for i in range(workers)]
     with ProcessPoolExecutor(workers) as pool:
-        rows = [r for part in pool.map(_play, [(str(root), preset, p) for p in parts]) for r in part]
+        rows = [r for part in pool.map(_play, [(str(root), preset, player, p) for p in parts]) for r in part]
     rows.sort(key=lambda r: r["meta"]["game"])
-    OUT_DEMOS.write_bytes(lzma.compress("".join(json.dumps(r) + "\n" for r in rows).encode(), preset=9))
     won = sum(r["success"] for r in rows)
-    print(f"{len(rows)} expert plays, {won} won -> {OUT_DEMOS} ({OUT_DEMOS.stat().st_size / 1e6:.2f} MB)")
+    kept = [r for r in rows if r["success"] or not won_only]
+    out.write_bytes(lzma.compress("".join(json.dumps(r) + "\n" for r in kept).encode(), preset=9))
+    print(f"{len(rows)} {player} plays, {won} won, {len(kept)} kept -> {out} ({out.stat().st_size / 1e6:.2f} MB)")
 
 
 def _play(args) -> list[dict]:
@@ -79,17 +81,19 @@ def _play(args) -> list[dict]:
 
     import agentenv  # noqa: F401  (registers the envs)
     from agentenv.envs.alfworld_expert import ALFWorldExpert
+    from agentenv.envs.alfworld_searcher import ALFWorldSearcher
     from agentenv.runtime import RolloutConfig, Task, run_episodes
 
-    root, preset, index = args
-    kw = {**preset["env"]["kwargs"], "data_dir": root, "max_turns": preset["rollout"]["max_turns"], "expert": True}
+    root, preset, player, index = args
+    policy = ALFWorldSearcher(order="random") if player == "searcher" else ALFWorldExpert()
+    kw = {**preset["env"]["kwargs"], "data_dir": root, "max_turns": preset["rollout"]["max_turns"], **policy.env_kwargs}
 
     def make_env():
         return gym.make("agentenv/ALFWorld-v0", split="train", **kw)
 
     tasks = [Task(seed=i, options={"game": i}, meta={"game": i}) for i in index]
     cfg = RolloutConfig(max_turns=preset["rollout"]["max_turns"], concurrency=1)
-    trajs = run_episodes(make_env, ALFWorldExpert(), len(tasks), cfg, tasks=tasks)
+    trajs = run_episodes(make_env, policy, len(tasks), cfg, tasks=tasks)
     keep = ("env", "task", "task_type", "model", "messages", "reward", "success", "terminated", "truncated",
             "finish_reason", "num_turns", "num_invalid_actions", "meta", "schema_version")
     return [{k: v for k, v in t.to_dict().items() if k in keep} for t in trajs]
@@ -102,14 +106,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--skip-demos", action="store_true")
+    ap.add_argument("--player", choices=("searcher", "walkthrough"), default="searcher",
+                    help="searcher: ALFWorldSearcher (sees only what the agent sees); walkthrough: the stored expert plan")
+    ap.add_argument("--demos-out", type=Path, default=OUT_DEMOS)
+    ap.add_argument("--preset", type=Path, default=PRESET)
+    ap.add_argument("--skip-games", action="store_true", help="keep the shipped games archive as it is")
     a = ap.parse_args()
-    preset = yaml.safe_load(PRESET.read_text())
+    preset = yaml.safe_load(a.preset.read_text())
     root = Path(a.data).expanduser().resolve()
     t0 = time.perf_counter()
-    games = build_games(root, preset["env"]["kwargs"]["task_types"], a.train_games, a.seed)
-    print(f"{len(games)} games -> {OUT_GAMES} ({OUT_GAMES.stat().st_size / 1e6:.2f} MB)")
+    if not a.skip_games:
+        games = build_games(root, preset["env"]["kwargs"]["task_types"], a.train_games, a.seed)
+        print(f"{len(games)} games -> {OUT_GAMES} ({OUT_GAMES.stat().st_size / 1e6:.2f} MB)")
     if not a.skip_demos:
-        build_demos(root, preset, a.workers)
+        build_demos(root, preset, a.workers, a.player, a.demos_out)
     print(f"done in {time.perf_counter() - t0:.0f}s")
 
 

@@ -304,3 +304,43 @@ def test_expert_wins_every_seen_and_unseen_game(data_dir):
     for split, n in (("valid_seen", 140), ("valid_unseen", 134)):
         lost = [t.task for t in results[split]["trajectories"] if not t.success]
         assert results[split]["successes"] == n and not lost, lost
+
+
+# ------------------------------------------------------------------------------------------------ the searcher
+def _play_searcher(env, game, searcher):
+    obs, info = env.reset(options={"game": game})
+    messages = [{"role": "system", "content": info["system"]}, {"role": "user", "content": obs}]
+    done, actions = False, []
+    while not done:
+        reply = searcher.act(messages, info)
+        obs, reward, term, trunc, info = env.step(reply)
+        assert not info["invalid_action"], (reply, obs)
+        actions.append(reply)
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": obs}]
+        done = term or trunc
+    return actions, info
+
+
+def test_searcher_wins_from_what_the_agent_sees(data_dir):
+    from agentenv.envs.alfworld_searcher import ALFWorldSearcher, parse_goal
+
+    assert ALFWorldSearcher.env_kwargs == {}
+    env = ALFWorldEnv("valid_unseen", data_dir, max_turns=60, task_types=["pick_and_place", "look_at_obj_in_light"])
+    picks = [g for g in env.games if "pick_and_place_simple" in g][:3]
+    looks = [g for g in env.games if "look_at_obj_in_light" in g][:3]
+    plays = {}
+    for game in picks + looks:
+        actions, info = _play_searcher(env, game, ALFWorldSearcher(seed=0))
+        assert info["success"] and info["invalid_actions"] == 0, (game, actions)
+        plays[game] = actions
+        # It delivers with the goal's own verbs: a move onto the target kind, or using the lamp it found.
+        last = actions[-1]
+        assert last.startswith("<action>move ") if game in picks else last.startswith("<action>use ")
+    # Stateless and seeded: the same (game, seed) replays exactly; another seed searches in another order somewhere.
+    assert _play_searcher(env, picks[0], ALFWorldSearcher(seed=0))[0] == plays[picks[0]]
+    assert any(_play_searcher(env, g, ALFWorldSearcher(seed=1))[0] != plays[g] for g in picks + looks)
+    env.close()
+    assert parse_goal("Your task is to: put some mug on desk.") == ("pick_and_place", "mug", "desk")
+    assert parse_goal("Your task is to: examine the book with the desklamp.") == ("look_at_obj_in_light", "book", "desklamp")
+    with pytest.raises(ValueError, match="pick_and_place and look_at_obj_in_light goals only"):
+        parse_goal("Your task is to: heat some egg and put it in garbagecan.")
