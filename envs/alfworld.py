@@ -28,6 +28,10 @@ Contract
   (``<action>1</action>``) as well as by its text (:data:`NUMBERED_SYSTEM_PROMPT_TEMPLATE`; :func:`resolve_command`):
   the policy then chooses among the listed commands rather than spelling one out. Game, reward and limits are the
   same; ``info["numbered_actions"]`` says which format is in force.
+* ``nearest_match=True`` plays a tagged command that is not admissible as the admissible one closest to it in spelling
+  (:func:`nearest_command`; :data:`NEAREST_SYSTEM_PROMPT_TEMPLATE`), and the observation starts with
+  ``(Read as "COMMAND".)``; ``info["approximate_action"]`` marks that step and ``info["approximate_actions"]`` counts
+  them. Only a reply without a tag is then invalid. Exclusive with ``numbered_actions``.
 * Reward is terminal success as in the ALFWorld paper: 1.0 on the step that wins the game (``terminated``,
   ``info["success"]=True``), else 0.0. After ``max_turns`` steps (valid or not) without a win the episode is
   ``truncated`` with ``finish_reason="max_turns"``; running out of turns is never success.
@@ -42,6 +46,7 @@ Contract
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -225,6 +230,20 @@ def list_games(split: str, data_dir: str | os.PathLike | None = None, task_types
     return games
 
 
+# nearest_match=True: a command that is not admissible is read as the admissible command closest to it in spelling
+# (difflib's ratio), as LLM planners map free text onto a game's actions (e.g. Huang et al. 2022). The agent is
+# told which command was played. Only a reply without a tag stays invalid. The CPU demo uses it: its tiny model gets
+# a receptacle's number wrong more often than its intent (docs/alfworld_demo.md, "Third pass").
+NEAREST_SYSTEM_PROMPT_TEMPLATE = """\
+You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the list of \
+admissible actions. Reply with exactly one of those actions, copied from the list, inside an action tag, for example:
+<action>go to desk 1</action>
+You may reason before the tag; only the last <action>...</action> in your reply is used. Case and extra spaces do \
+not matter. An action that is not in the list is read as the listed action closest to it in spelling, and you are \
+told which one was played. A reply without the tag is invalid: nothing happens, it costs a turn, and {budget}. You \
+have {max_turns} turns. The episode ends as soon as the task is done."""
+
+
 def _task_type_from_path(game: str) -> str | None:
     # Task folders are named <task_type>-<object>-<movable recep>-<parent recep>-<scene>.
     return TASK_TYPES.get(Path(game).parent.parent.name.split("-", 1)[0])
@@ -273,9 +292,21 @@ def _format_commands(commands: list[str], numbered: bool = False) -> str:
     return "Admissible actions:\n" + "\n".join(lines)
 
 
-def resolve_command(reply: str, commands: list[str], numbered: bool) -> tuple[str | None, str | None]:
+def nearest_command(command: str, commands: list[str]) -> str | None:
+    """The admissible command closest to ``command`` in spelling (difflib ratio; the first listed wins a tie).
+    ``help`` is never chosen: it changes nothing."""
+    candidates = [c for c in commands if c != "help"]
+    if not candidates:
+        return None
+    ratio = lambda c: difflib.SequenceMatcher(None, command, c, autojunk=False).ratio()  # noqa: E731
+    return max(candidates, key=ratio)
+
+
+def resolve_command(reply: str, commands: list[str], numbered: bool, nearest: bool = False) -> tuple[str | None, str | None]:
     """``(command, None)`` for an admissible reply, else ``(None, why)``: the observation text for an invalid one.
-    With ``numbered``, a tag holding a list number ``i`` (1-based) names ``commands[i - 1]``."""
+    With ``numbered``, a tag holding a list number ``i`` (1-based) names ``commands[i - 1]``. With ``nearest``, a tagged
+    command that is not admissible resolves to :func:`nearest_command` (the caller compares it with
+    :func:`parse_action` to tell the agent)."""
     command = parse_action(reply)
     if command is None:
         return None, "Invalid action: your reply has no <action>...</action> tag. Nothing happens."
@@ -285,6 +316,8 @@ def resolve_command(reply: str, commands: list[str], numbered: bool) -> tuple[st
             return commands[i - 1], None
         return None, f"Invalid action: {i} is not the number of an admissible action (1-{len(commands)}). Nothing happens."
     if command not in commands:
+        if nearest and (near := nearest_command(command, commands)) is not None:
+            return near, None
         return None, f'Invalid action: "{command}" is not one of the admissible actions. Nothing happens.'
     return command, None
 
@@ -304,6 +337,7 @@ class ALFWorldEnv(TextEnv):
         task_types: Iterable[str] | None = None,
         expert: bool = False,
         numbered_actions: bool = False,
+        nearest_match: bool = False,
         render_mode: str | None = None,
     ):
         super().__init__(render_mode=render_mode)
@@ -318,12 +352,16 @@ class ALFWorldEnv(TextEnv):
         self.invalid_action_budget = invalid_action_budget
         self.expert = expert
         self.numbered_actions = bool(numbered_actions)
+        self.nearest_match = bool(nearest_match)
+        if self.numbered_actions and self.nearest_match:
+            raise ValueError("numbered_actions and nearest_match are exclusive: a number is read exactly or not at all")
         budget = (
             f"after {invalid_action_budget} invalid actions the episode ends"
             if invalid_action_budget is not None
             else "invalid actions are not otherwise limited"
         )
-        template = NUMBERED_SYSTEM_PROMPT_TEMPLATE if self.numbered_actions else SYSTEM_PROMPT_TEMPLATE
+        template = (NUMBERED_SYSTEM_PROMPT_TEMPLATE if self.numbered_actions
+                    else NEAREST_SYSTEM_PROMPT_TEMPLATE if self.nearest_match else SYSTEM_PROMPT_TEMPLATE)
         self.system_prompt = template.format(budget=budget, max_turns=max_turns)
         self._tw_env = None  # one textworld env, reloaded per game: each one dlopens its own copy of fast-downward
         self._loaded_game: Path | None = None
@@ -396,6 +434,7 @@ class ALFWorldEnv(TextEnv):
         self._task_type = TASK_TYPES[alfred_type]
         self._turn = 0
         self._invalid = 0
+        self._approximate = 0
         self._done = False
         if self.expert:
             self._plan = list(self._state["extra.walkthrough"] or [])
@@ -417,13 +456,20 @@ class ALFWorldEnv(TextEnv):
 
     def _step(self, action: str) -> tuple[str, float, bool, bool, dict]:
         self._turn += 1
-        command, text = resolve_command(action, self._state.admissible_commands, self.numbered_actions)
+        command, text = resolve_command(action, self._state.admissible_commands, self.numbered_actions,
+                                        self.nearest_match)
         invalid = command is None
+        written = parse_action(action)
+        approximate = not invalid and written != command and not (self.numbered_actions and written.isdigit())
         if invalid:
             self._invalid += 1
         else:
+            self._approximate += approximate
             self._play(command)
             text = self._state.feedback.strip()
+            if approximate:
+                text = f'(Read as "{command}".) {text}'
+
         won = bool(self._state.won)
         terminated = truncated = False
         finish_reason = None
@@ -439,6 +485,7 @@ class ALFWorldEnv(TextEnv):
         obs = text if self._done else f"{text}\n\n{_format_commands(self._state.admissible_commands, self.numbered_actions)}"
         info = self._info(success=won)
         info["invalid_action"] = invalid
+        info["approximate_action"] = approximate
         if finish_reason is not None:
             info["finish_reason"] = finish_reason
         self._last_text = obs
@@ -460,6 +507,7 @@ class ALFWorldEnv(TextEnv):
             "split": self.split,
             "turn": self._turn,
             "invalid_actions": self._invalid,
+            "approximate_actions": self._approximate,
             "admissible_commands": list(self._state.admissible_commands),
             "numbered_actions": self.numbered_actions,
             "success": success,

@@ -8,7 +8,9 @@ types plus a seeded sample of their ``train`` games, and ``logic/`` -- (``data_d
 game of those types once through the runtime, with the demo preset's env settings and turn limit. Those plays are
 text (messages); the SFT warm start tokenizes them with the model's own tokenizer and chat glue, exactly as the
 runtime would (``agentenv.sft.prepare_demos``), and ``tests/test_miniature.py`` replays some of them against the env
-to prove the shipped text is still what the env says. The tarball is deterministic (sorted members, zero mtimes and
+to prove the shipped text is still what the env says. ``--player searcher`` records
+:class:`~agentenv.envs.alfworld_searcher.ALFWorldSearcher` instead (it sees only what the agent sees; its won plays
+are kept), e.g. ``--skip-games --demos-out FILE`` for an experiment. The tarball is deterministic (sorted members, zero mtimes and
 owners), so rebuilding from the same data gives the same bytes and the same cache key.
 """
 
@@ -57,7 +59,7 @@ def build_games(root: Path, task_types: list[str], n_train: int, seed: int) -> l
     return games
 
 
-def build_demos(root: Path, preset: dict, workers: int, player: str = "searcher", out: Path = OUT_DEMOS,
+def build_demos(root: Path, preset: dict, workers: int, player: str = "walkthrough", out: Path = OUT_DEMOS,
                 won_only: bool = True) -> None:
     """The expert on every train game of the preset's task types, ``workers`` processes (textworld holds a global
     lock per process), written in game order."""
@@ -106,7 +108,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--skip-demos", action="store_true")
-    ap.add_argument("--player", choices=("searcher", "walkthrough"), default="searcher",
+    ap.add_argument("--player", choices=("walkthrough", "searcher"), default="walkthrough",
                     help="searcher: ALFWorldSearcher (sees only what the agent sees); walkthrough: the stored expert plan")
     ap.add_argument("--demos-out", type=Path, default=OUT_DEMOS)
     ap.add_argument("--preset", type=Path, default=PRESET)

@@ -344,3 +344,28 @@ def test_searcher_wins_from_what_the_agent_sees(data_dir):
     assert parse_goal("Your task is to: examine the book with the desklamp.") == ("look_at_obj_in_light", "book", "desklamp")
     with pytest.raises(ValueError, match="pick_and_place and look_at_obj_in_light goals only"):
         parse_goal("Your task is to: heat some egg and put it in garbagecan.")
+
+
+def test_nearest_match_plays_the_closest_admissible_command_and_says_so(data_dir):
+    from agentenv.envs.alfworld import nearest_command
+
+    env = ALFWorldEnv("valid_unseen", data_dir, nearest_match=True, invalid_action_budget=2)
+    obs, info = env.reset(options={"game": PICK_PLACE})
+    assert "read as the listed action closest to it in spelling" in info["system"]
+    assert info["approximate_actions"] == 0
+    # "desk 3" does not exist in this room; the closest listed command is a real one, and the agent is told which.
+    obs, _, _, _, info = env.step("<action>go to desk 3</action>")
+    assert obs.startswith('(Read as "go to desk ') and "You arrive at desk " in obs
+    assert info["approximate_action"] and not info["invalid_action"] and info["approximate_actions"] == 1
+    # An exact command is played as written; a reply without a tag is still invalid and still spends the budget.
+    exact = next(c for c in info["admissible_commands"] if c.startswith("go to "))
+    obs, _, _, _, info = env.step(f"<action>{exact}</action>")
+    assert obs.startswith(f"You arrive at {exact[len('go to '):]}") and not info["approximate_action"]
+    _, _, term, _, info = env.step("I am lost")
+    assert info["invalid_action"] and not term and info["invalid_actions"] == 1
+    env.close()
+    commands = ["help", "take alarmclock 2 from shelf 1", "take creditcard 3 from shelf 1", "go to shelf 2"]
+    assert nearest_command("take alarmclock 4 from sidetable 1", commands) == "take alarmclock 2 from shelf 1"
+    assert nearest_command("help me", ["help"]) is None  # help is never chosen: it changes nothing
+    with pytest.raises(ValueError, match="exclusive"):
+        ALFWorldEnv("valid_unseen", data_dir, nearest_match=True, numbered_actions=True)
