@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+from typing import ClassVar
 
 _GOALS = (
     (re.compile(r"put (?:a|an|some) (\w+) (?:in|on) (\w+)\."), "pick_and_place"),
@@ -54,7 +55,7 @@ class ALFWorldSearcher:
     """Searches receptacles for the goal's object, then delivers it; see the module docstring."""
 
     name = "searcher"
-    env_kwargs: dict = {}  # plays any ALFWorldEnv: it needs nothing the agent does not see
+    env_kwargs: ClassVar[dict] = {}  # plays any ALFWorldEnv: it needs nothing the agent does not see
 
     def __init__(self, order: str = "random", seed: int = 0):
         if order not in ("random", "listed"):
