@@ -66,7 +66,8 @@ class ALFWorldSearcher:
         if info.get("numbered_actions"):
             raise ValueError("ALFWorldSearcher answers with spelled-out commands: build the env without numbered_actions")
         observations = [m["content"] for m in messages if m["role"] == "user"]
-        actions = [_ACTION.findall(m["content"])[-1].strip() for m in messages if m["role"] == "assistant"]
+        # A turn without a tag (another policy's, in a shared conversation) did nothing: it stays aligned, as "".
+        actions = [(_ACTION.findall(m["content"]) or [""])[-1].strip().lower() for m in messages if m["role"] == "assistant"]
         kind, obj, target = parse_goal(observations[0])
         admissible = list(info["admissible_commands"])
 
@@ -80,7 +81,7 @@ class ALFWorldSearcher:
                 held = action[len("take "):].split(" from ")[0]
             elif action.startswith("move ") and obs.startswith("You move"):
                 held = None
-            if here is not None:
+            if kind == "look_at_obj_in_light" and here is not None:
                 for lamp in re.findall(rf"\b({re.escape(target)} \d+)", obs.split("\n\nAdmissible actions:")[0]):
                     lamp_at.setdefault(lamp, here)
 
