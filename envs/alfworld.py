@@ -232,8 +232,8 @@ def list_games(split: str, data_dir: str | os.PathLike | None = None, task_types
 
 # nearest_match=True: a command that is not admissible is read as the admissible command closest to it in spelling
 # (difflib's ratio), as LLM planners map free text onto a game's actions (e.g. Huang et al. 2022). The agent is
-# told which command was played. Only a reply without a tag stays invalid. The CPU demo uses it: its tiny model gets
-# a receptacle's number wrong more often than its intent (docs/alfworld_demo.md, "Third pass").
+# told which command was played. Only a reply without a tag stays invalid. The CPU demo tried it (its tiny model often
+# gets a receptacle's number wrong) and kept exact matching: docs/alfworld_demo.md, "Third pass".
 NEAREST_SYSTEM_PROMPT_TEMPLATE = """\
 You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the list of \
 admissible actions. Reply with exactly one of those actions, copied from the list, inside an action tag, for example:
@@ -469,7 +469,6 @@ class ALFWorldEnv(TextEnv):
             text = self._state.feedback.strip()
             if approximate:
                 text = f'(Read as "{command}".) {text}'
-
         won = bool(self._state.won)
         terminated = truncated = False
         finish_reason = None
