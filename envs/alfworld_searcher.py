@@ -23,7 +23,6 @@ Task types: ``pick_and_place`` ("put a/some X in/on Y") and ``look_at_obj_in_lig
 from __future__ import annotations
 
 import hashlib
-import random
 import re
 from typing import ClassVar
 
@@ -121,11 +120,10 @@ class ALFWorldSearcher:
             return "look"
         if self.order == "listed":
             return pool[0]
-        # One fixed random order of all receptacles per (task, seed): stateless and reproducible.
-        key = f"{info.get('task', intro)}|{self.seed}".encode()
-        rng = random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
-        rank = {c: rng.random() for c in sorted(gotos)}
-        return min(pool, key=lambda c: rank[c])
+        # One fixed random order of the room's receptacles per (task, seed): each one's rank is a hash of the three,
+        # so it does not depend on which of them the current list happens to show (stateless and reproducible).
+        key = f"{info.get('task', intro)}|{self.seed}|"
+        return min(pool, key=lambda c: hashlib.sha256((key + c).encode()).digest())
 
     @staticmethod
     def _reply(command: str) -> str:
