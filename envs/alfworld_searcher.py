@@ -26,12 +26,13 @@ import hashlib
 import re
 from typing import ClassVar
 
+from agentenv.envs.alfworld import parse_action
+
 _GOALS = (
     (re.compile(r"put (?:a|an|some) (\w+) (?:in|on) (\w+)\."), "pick_and_place"),
     (re.compile(r"look at (\w+) under the (\w+)\."), "look_at_obj_in_light"),
     (re.compile(r"examine the (\w+) with the (\w+)\."), "look_at_obj_in_light"),
 )
-_ACTION = re.compile(r"<action>(.*?)</action>", re.S)
 
 
 def parse_goal(first_observation: str) -> tuple[str, str, str]:
@@ -66,7 +67,7 @@ class ALFWorldSearcher:
             raise ValueError("ALFWorldSearcher answers with spelled-out commands: build the env without numbered_actions")
         observations = [m["content"] for m in messages if m["role"] == "user"]
         # A turn without a tag (another policy's, in a shared conversation) did nothing: it stays aligned, as "".
-        actions = [(_ACTION.findall(m["content"]) or [""])[-1].strip().lower() for m in messages if m["role"] == "assistant"]
+        actions = [parse_action(m["content"]) or "" for m in messages if m["role"] == "assistant"]
         kind, obj, target = parse_goal(observations[0])
         admissible = list(info["admissible_commands"])
 

@@ -59,10 +59,9 @@ def build_games(root: Path, task_types: list[str], n_train: int, seed: int) -> l
     return games
 
 
-def build_demos(root: Path, preset: dict, workers: int, player: str = "walkthrough", out: Path = OUT_DEMOS,
-                won_only: bool = True) -> None:
-    """The expert on every train game of the preset's task types, ``workers`` processes (textworld holds a global
-    lock per process), written in game order."""
+def build_demos(root: Path, preset: dict, workers: int, player: str = "walkthrough", out: Path = OUT_DEMOS) -> None:
+    """``player`` on every train game of the preset's task types, ``workers`` processes (textworld holds a global
+    lock per process); its won plays (SFT imitates nothing else) written in game order."""
     from concurrent.futures import ProcessPoolExecutor
 
     from agentenv.envs.alfworld import list_games
@@ -73,7 +72,7 @@ def build_demos(root: Path, preset: dict, workers: int, player: str = "walkthrou
         rows = [r for part in pool.map(_play, [(str(root), preset, player, p) for p in parts]) for r in part]
     rows.sort(key=lambda r: r["meta"]["game"])
     won = sum(r["success"] for r in rows)
-    kept = [r for r in rows if r["success"] or not won_only]
+    kept = [r for r in rows if r["success"]]
     out.write_bytes(lzma.compress("".join(json.dumps(r) + "\n" for r in kept).encode(), preset=9))
     print(f"{len(rows)} {player} plays, {won} won, {len(kept)} kept -> {out} ({out.stat().st_size / 1e6:.2f} MB)")
 
