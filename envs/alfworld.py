@@ -32,6 +32,9 @@ Contract
   (:func:`nearest_command`; :data:`NEAREST_SYSTEM_PROMPT_TEMPLATE`), and the observation starts with
   ``(Read as "COMMAND".)``; ``info["approximate_action"]`` marks that step and ``info["approximate_actions"]`` counts
   them. Only a reply without a tag is then invalid. Exclusive with ``numbered_actions``.
+* ``restate_goal=True`` repeats the opening's ``Your task is to: ...`` line in every later observation, just before
+  the admissible list, so the goal's object and receptacle sit next to the commands that name them. The game is the
+  same; only the text grows (~12 tokens a turn).
 * Reward is terminal success as in the ALFWorld paper: 1.0 on the step that wins the game (``terminated``,
   ``info["success"]=True``), else 0.0. After ``max_turns`` steps (valid or not) without a win the episode is
   ``truncated`` with ``finish_reason="max_turns"``; running out of turns is never success.
@@ -244,6 +247,10 @@ told which one was played. A reply without the tag is invalid: nothing happens, 
 have {max_turns} turns. The episode ends as soon as the task is done."""
 
 
+# The goal as ALFWorld states it in a game's opening text (one line); restate_goal=True repeats it every turn.
+_GOAL_LINE = re.compile(r"^Your task is to: .*$", re.MULTILINE)
+
+
 def _task_type_from_path(game: str) -> str | None:
     # Task folders are named <task_type>-<object>-<movable recep>-<parent recep>-<scene>.
     return TASK_TYPES.get(Path(game).parent.parent.name.split("-", 1)[0])
@@ -338,6 +345,7 @@ class ALFWorldEnv(TextEnv):
         expert: bool = False,
         numbered_actions: bool = False,
         nearest_match: bool = False,
+        restate_goal: bool = False,
         render_mode: str | None = None,
     ):
         super().__init__(render_mode=render_mode)
@@ -353,6 +361,7 @@ class ALFWorldEnv(TextEnv):
         self.expert = expert
         self.numbered_actions = bool(numbered_actions)
         self.nearest_match = bool(nearest_match)
+        self.restate_goal = bool(restate_goal)
         if self.numbered_actions and self.nearest_match:
             raise ValueError("numbered_actions and nearest_match are exclusive: a number is read exactly or not at all")
         budget = (
@@ -440,6 +449,8 @@ class ALFWorldEnv(TextEnv):
             self._plan = list(self._state["extra.walkthrough"] or [])
             self._plan_pos = 0
         intro = self._state.feedback.replace(_BANNER, "").strip()
+        goal = _GOAL_LINE.search(intro)
+        self._goal_line = goal.group(0).strip() if goal else None
         obs = f"{intro}\n\n{_format_commands(self._state.admissible_commands, self.numbered_actions)}"
         info = self._info(success=False)
         info["system"] = self.system_prompt
@@ -481,6 +492,8 @@ class ALFWorldEnv(TextEnv):
             truncated, finish_reason = True, "max_turns"
             text += f" That was the last of {self.max_turns} turns: the episode ends."
         self._done = terminated or truncated
+        if not self._done and self.restate_goal and self._goal_line:
+            text = f"{text}\n\n{self._goal_line}"
         obs = text if self._done else f"{text}\n\n{_format_commands(self._state.admissible_commands, self.numbered_actions)}"
         info = self._info(success=won)
         info["invalid_action"] = invalid

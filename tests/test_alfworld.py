@@ -369,3 +369,23 @@ def test_nearest_match_plays_the_closest_admissible_command_and_says_so(data_dir
     assert nearest_command("help me", ["help"]) is None  # help is never chosen: it changes nothing
     with pytest.raises(ValueError, match="exclusive"):
         ALFWorldEnv("valid_unseen", data_dir, nearest_match=True, numbered_actions=True)
+
+
+def test_restate_goal_repeats_the_task_line_before_every_later_list(data_dir):
+    plain = ALFWorldEnv("valid_unseen", data_dir, max_turns=3)
+    env = ALFWorldEnv("valid_unseen", data_dir, max_turns=3, restate_goal=True)
+    first_plain, _ = plain.reset(options={"game": PICK_PLACE})
+    first, info = env.reset(options={"game": PICK_PLACE})
+    assert first == first_plain  # the opening already states the goal once
+    goal = next(line for line in first.splitlines() if line.startswith("Your task is to: "))
+    move = next(c for c in info["admissible_commands"] if c.startswith("go to "))
+    for reply in (f"<action>{move}</action>", "no tag here"):  # a valid and an invalid turn both restate it
+        obs_plain, *_ = plain.step(f"<action>{move}</action>" if reply != "no tag here" else reply)
+        obs, _, _, truncated, _ = env.step(reply)
+        before, _, after = obs.partition(f"\n\n{goal}\n\nAdmissible actions:\n")
+        assert after, obs
+        assert f"{before}\n\nAdmissible actions:\n{after}" == obs_plain  # only the goal line was added
+    obs, _, _, truncated, _ = env.step(f"<action>{move}</action>")
+    assert truncated and goal not in obs  # the last observation has no list and no restated goal
+    plain.close()
+    env.close()
