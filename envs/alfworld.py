@@ -235,8 +235,8 @@ def list_games(split: str, data_dir: str | os.PathLike | None = None, task_types
 
 # nearest_match=True: a command that is not admissible is read as the admissible command closest to it in spelling
 # (difflib's ratio), as LLM planners map free text onto a game's actions (e.g. Huang et al. 2022). The agent is
-# told which command was played. Only a reply without a tag stays invalid. The CPU demo tried it (its tiny model often
-# gets a receptacle's number wrong) and kept exact matching: docs/alfworld_demo.md, "Third pass".
+# told which command was played. Only a reply without a tag stays invalid. The CPU demo uses it (its tiny model often
+# gets a receptacle's number wrong): docs/alfworld_demo.md, "Third pass" and "Fourth pass".
 NEAREST_SYSTEM_PROMPT_TEMPLATE = """\
 You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the list of \
 admissible actions. Reply with exactly one of those actions, copied from the list, inside an action tag, for example:
