@@ -370,3 +370,51 @@ def test_cancel_racing_an_episode_finish_never_pools_a_closed_env():
     assert ev[0] == "done" and len(envs) == 2 and envs[1].closed == 0  # a fresh env, not the closed one
     assert w.close() == 0
     assert envs[1].closed == 1
+
+
+def test_an_episode_cancelled_while_sampling_never_steps_its_env_again(caplog):
+    """Shutdown and timeouts cancel episodes that are mid-generation. The sampled reply must not be played into an env
+    that cancel is closing (that used to end as a spurious env_error on a closed env): the env sees no step after
+    cancel, is closed exactly once, and the result is discarded."""
+    import logging
+    import queue as _queue
+
+    from agentenv.policy import SamplingParams as SP
+    from agentenv.runtime import RolloutConfig as RC
+    from agentenv.trainer.workers import RolloutWorker
+
+    thinking, release = threading.Event(), threading.Event()
+
+    class SlowScripted:
+        name = "scripted"
+
+        def act(self, messages, info):
+            thinking.set()
+            release.wait(10)  # cancel() arrives while the policy is producing its reply
+            return "50"
+
+    class StepCounting(_CloseCountingEnv):
+        steps = 0
+
+        def step(self, action):
+            StepCounting.steps += 1
+            return super().step(action)
+
+    envs = []
+
+    def make_env():
+        envs.append(StepCounting(ENV()))
+        return envs[-1]
+
+    sink = _queue.Queue()
+    w = RolloutWorker(0, make_env, SlowScripted(), RC(max_turns=3, sampling=SP(max_new_tokens=4)), sink=sink,
+                      cancel_grace_s=5.0)
+    w.submit(0, Task(seed=1))
+    assert thinking.wait(30)
+    with caplog.at_level(logging.WARNING, logger="agentenv.runtime"):
+        w.cancel(0)
+        release.set()
+        assert w.close() == 0  # joins the episode thread and the closer
+    assert envs[0].closed == 1 and StepCounting.steps == 0
+    assert sink.empty() and w._pool == []
+    assert not [r for r in caplog.records if "env_error" in r.getMessage()]

@@ -5,7 +5,9 @@ Contract of :class:`RolloutWorker`:
 * ``submit(eid, task)`` starts one episode on its own thread (an env from the pool, or a new one from ``make_env``).
   Its result goes to ``sink`` as ``("done", worker_id, eid, trajectory)``.
 * ``cancel(eid)`` gives up on an episode: its next ``generate`` raises :class:`EpisodeCancelled` (cancellation is
-  checked between turns), its result is discarded, and its env is closed, never reused. Removing the episode, setting
+  checked before and after each generation, so a cancelled episode never starts another env step), its result is
+  discarded, and its env is closed, never reused. The env is closed once the episode thread has ended, or after
+  ``cancel_grace_s`` if it has not (a hung ``env.step`` may only return once its env is closed). Removing the episode, setting
   its cancel flag and deciding who closes the env happen under ONE lock together with the episode thread's own
   finish, so an env that ``cancel`` closes can never have been put back into the pool.
 * A crash (any ``BaseException`` escaping ``run_episode``, or :meth:`kill`) marks the worker dead, cancels its
@@ -65,7 +67,8 @@ class _Episode:
 
 class RolloutWorker:
     def __init__(self, worker_id: int, make_env: Callable, policy, rollout_cfg: RolloutConfig,
-                 generate_fn: Callable | None = None, sink: queue.Queue | None = None):
+                 generate_fn: Callable | None = None, sink: queue.Queue | None = None, cancel_grace_s: float = 2.0):
+        self.cancel_grace_s = cancel_grace_s
         self.worker_id, self.make_env, self.policy, self.cfg = worker_id, make_env, policy, rollout_cfg
         self.generate_fn = generate_fn or (lambda req: policy.generate([req])[0])
         self.sink = sink if sink is not None else queue.Queue()
@@ -90,7 +93,10 @@ class RolloutWorker:
         def gen(req):
             if ep.cancel.is_set():  # checked between turns: a cancelled episode stops at its next turn
                 raise EpisodeCancelled(f"episode {ep.eid} cancelled")
-            return self.generate_fn(req)
+            out = self.generate_fn(req)
+            if ep.cancel.is_set():  # cancelled while sampling: do not step an env that is about to be closed
+                raise EpisodeCancelled(f"episode {ep.eid} cancelled")
+            return out
 
         try:
             if ep.env is None:
@@ -131,8 +137,9 @@ class RolloutWorker:
             ep.cancel.set()
             env, ep.env_closed_by_cancel = ep.env, ep.env is not None
         if env is not None:
-            # A hung env.step may only return once the env is closed; close it off-thread so we never block on it.
-            t = threading.Thread(target=_close_quietly, args=(env,), daemon=True,
+            # Off-thread, so cancel never blocks: wait briefly for the episode to stop on its own (its in-flight env
+            # step finishes instead of failing on a closed env), then close; a hung env.step may only return then.
+            t = threading.Thread(target=_close_after, args=(ep.thread, env, self.cancel_grace_s), daemon=True,
                                  name=f"agentenv-w{self.worker_id}-close{eid}")
             with self._lock:
                 self._threads.append(t)  # joined by close() like the episode threads
@@ -190,7 +197,10 @@ class _CancellableText:
     def act(self, messages, info):
         if self._cancel.is_set():
             raise EpisodeCancelled("episode cancelled")
-        return self._policy.act(messages, info)
+        reply = self._policy.act(messages, info)
+        if self._cancel.is_set():  # cancelled while it thought: no env step after cancel
+            raise EpisodeCancelled("episode cancelled")
+        return reply
 
 
 def drain(q: queue.Queue, timeout: float) -> list:
@@ -203,6 +213,12 @@ def drain(q: queue.Queue, timeout: float) -> list:
     except queue.Empty:
         pass
     return out
+
+
+def _close_after(thread: threading.Thread | None, env, grace_s: float) -> None:
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=grace_s)
+    _close_quietly(env)
 
 
 def _close_quietly(env) -> None:
