@@ -176,8 +176,9 @@ def test_killed_worker_loses_only_its_in_flight_episodes(tiny):
         # Kill at the first update that finds worker 0 mid-episode. Not always update 1: on a loaded machine the
         # learner can be slow enough that every started episode has finished and the queue is full (in flight: 0).
         tr = holder["tr"]
-        if "n" not in lost and m["update"] < 5 and tr.inflight_on(0):
-            lost["n"] = tr.inflight_on(0)
+        n = tr.inflight_on(0)
+        if "n" not in lost and m["update"] < 5 and n:
+            lost["n"] = n
             tr.kill_worker(0)
 
     tr = Trainer(cfg(total_updates=6, queue_size=2), rollout=ROLLOUT, make_env=lambda: SlowReset(GUESS()),

@@ -6,8 +6,8 @@ Contract of :class:`RolloutWorker`:
   Its result goes to ``sink`` as ``("done", worker_id, eid, trajectory)``.
 * ``cancel(eid)`` gives up on an episode: its next ``generate`` raises :class:`EpisodeCancelled` (cancellation is
   checked before and after each generation, so a cancelled episode never starts another env step), its result is
-  discarded, and its env is closed, never reused. The env is closed once the episode thread has ended, or after
-  ``cancel_grace_s`` if it has not (a hung ``env.step`` may only return once its env is closed). Removing the episode, setting
+  discarded, and its env is closed, never reused: once the episode thread has ended, or after ``cancel_grace_s``
+  if it has not (a hung ``env.step`` may only return once its env is closed). Removing the episode, setting
   its cancel flag and deciding who closes the env happen under ONE lock together with the episode thread's own
   finish, so an env that ``cancel`` closes can never have been put back into the pool.
 * A crash (any ``BaseException`` escaping ``run_episode``, or :meth:`kill`) marks the worker dead, cancels its
@@ -91,11 +91,9 @@ class RolloutWorker:
 
     def _run(self, ep: _Episode, task: Task) -> None:
         def gen(req):
-            if ep.cancel.is_set():  # checked between turns: a cancelled episode stops at its next turn
-                raise EpisodeCancelled(f"episode {ep.eid} cancelled")
+            _stop_if_cancelled(ep.cancel)  # between turns: a cancelled episode stops at its next turn
             out = self.generate_fn(req)
-            if ep.cancel.is_set():  # cancelled while sampling: do not step an env that is about to be closed
-                raise EpisodeCancelled(f"episode {ep.eid} cancelled")
+            _stop_if_cancelled(ep.cancel)  # cancelled while sampling: do not step an env that is being closed
             return out
 
         try:
@@ -195,11 +193,9 @@ class _CancellableText:
         self.backend = getattr(policy, "backend", "text")
 
     def act(self, messages, info):
-        if self._cancel.is_set():
-            raise EpisodeCancelled("episode cancelled")
+        _stop_if_cancelled(self._cancel)
         reply = self._policy.act(messages, info)
-        if self._cancel.is_set():  # cancelled while it thought: no env step after cancel
-            raise EpisodeCancelled("episode cancelled")
+        _stop_if_cancelled(self._cancel)  # cancelled while it thought: no env step after cancel
         return reply
 
 
@@ -215,9 +211,13 @@ def drain(q: queue.Queue, timeout: float) -> list:
     return out
 
 
-def _close_after(thread: threading.Thread | None, env, grace_s: float) -> None:
-    if thread is not None and thread is not threading.current_thread():
-        thread.join(timeout=grace_s)
+def _stop_if_cancelled(cancel: threading.Event) -> None:
+    if cancel.is_set():
+        raise EpisodeCancelled("episode cancelled")
+
+
+def _close_after(thread: threading.Thread, env, grace_s: float) -> None:
+    thread.join(timeout=grace_s)
     _close_quietly(env)
 
 
