@@ -247,6 +247,17 @@ told which one was played. A reply without the tag is invalid: nothing happens, 
 have {max_turns} turns. The episode ends as soon as the task is done."""
 
 
+# compact_list=True: a prompt as short as the list (every token of it is paid in every trajectory, ~25% of a short
+# episode with the long prompts above).
+COMPACT_SYSTEM_PROMPT_TEMPLATE = """\
+You are an agent in a household (ALFWorld). Reply with one action in a tag, e.g. <action>go to desk 1</action>; you \
+may think first, the last tag counts. You can go to any receptacle in the room, look and inventory; each message \
+lists the other admissible actions. {matching} A reply without a tag is invalid and costs a turn; {budget}. You have \
+{max_turns} turns."""
+COMPACT_MATCHING = {True: "An action that is not admissible is read as the closest admissible one, and you are told.",
+                    False: "An action that is not admissible is invalid and costs a turn."}
+
+
 # The goal as ALFWorld states it in a game's opening text (one line); restate_goal=True repeats it every turn.
 _GOAL_LINE = re.compile(r"^Your task is to: .*$", re.MULTILINE)
 
@@ -278,12 +289,14 @@ def _install_translation_memo() -> None:
 
     Why: the PDDL-to-SAS translation is ~90% of a reset and textworld runs it four times per new game (twice in
     ``load``, twice in ``reset``) on the same inputs; its result is only read afterwards, so reusing it is exact.
+    It keeps the last 256 games (~1.2 MB each): a reset of one of them takes ~0.06 s instead of ~0.35 s, and the CPU
+    demo's 128 train and 90 eval games all stay.
     Its callers here hold ``_TEXTWORLD_LOCK``; the memo takes it too for any other caller."""
     import fast_downward
 
     original = fast_downward.pddl2sas
 
-    @lru_cache(maxsize=64)
+    @lru_cache(maxsize=512)  # two entries per game: load and reset translate slightly different problems
     def _translate(domain: str, problem: str, verbose: bool, optimize: bool):
         return original(domain, problem, verbose=verbose, optimize=optimize)
 
@@ -294,7 +307,48 @@ def _install_translation_memo() -> None:
     fast_downward.pddl2sas = pddl2sas
 
 
-def _format_commands(commands: list[str], numbered: bool = False) -> str:
+# compact_list=True: the commands every state of every game admits are not listed one by one. `go to R` is admissible
+# for every receptacle R of the room but the one the agent stands at (the opening text names them all), and these
+# three never change the game. Listing them costs ~5 tokens per receptacle per turn, ~70% of a turn's observation.
+ALWAYS_ADMISSIBLE = ("help", "inventory", "look")
+GO_TO_LINE = "go to <any receptacle in the room>"
+
+
+@lru_cache(maxsize=1)
+def _install_parse_memos() -> None:
+    """Memoize textworld's two tatsu parsers (process-wide, once): text generation's grammar symbols and the logic's
+    conjunctive queries.
+
+    Why: every step re-parses the same few hundred template and query strings (~45% of a step). Parsing is a pure
+    function of the string; callers mutate what they get (a symbol's context), so each call returns a deep copy of
+    the memoized parse -- the same objects a fresh parse would give, at a fraction of the cost (a step ~45 -> ~20 ms,
+    observations byte-identical: ``test_parse_memos_leave_every_observation_unchanged``)."""
+    import copy
+
+    import textworld.envs.pddl.textgen as textgen
+    import textworld.logic as logic
+
+    def memoized(parse):
+        @lru_cache(maxsize=8192)
+        def cached(text: str, rule_name: str):
+            return parse(text, rule_name=rule_name)
+
+        def parse_copy(text, rule_name, **kwargs):
+            if kwargs.get("trace"):  # TW_CSG_TRACE debugging wants to see the parse itself
+                return parse(text, rule_name=rule_name, **kwargs)
+            return copy.deepcopy(cached(text, rule_name))
+
+        return parse_copy
+
+    textgen._parse_and_convert = memoized(textgen._parse_and_convert)
+    original_query = logic.Rule.parse_conjunctive_query.__func__
+    cached_query = lru_cache(maxsize=8192)(lambda expr: original_query(logic.Rule, expr))
+    logic.Rule.parse_conjunctive_query = classmethod(lambda cls, expr: copy.deepcopy(cached_query(expr)))
+
+
+def _format_commands(commands: list[str], numbered: bool = False, compact: bool = False) -> str:
+    if compact:
+        commands = [GO_TO_LINE] + [c for c in commands if not c.startswith("go to ") and c not in ALWAYS_ADMISSIBLE]
     lines = (f"{i}. {c}" for i, c in enumerate(commands, 1)) if numbered else commands
     return "Admissible actions:\n" + "\n".join(lines)
 
@@ -346,6 +400,7 @@ class ALFWorldEnv(TextEnv):
         numbered_actions: bool = False,
         nearest_match: bool = False,
         restate_goal: bool = False,
+        compact_list: bool = False,
         render_mode: str | None = None,
     ):
         super().__init__(render_mode=render_mode)
@@ -362,6 +417,9 @@ class ALFWorldEnv(TextEnv):
         self.numbered_actions = bool(numbered_actions)
         self.nearest_match = bool(nearest_match)
         self.restate_goal = bool(restate_goal)
+        self.compact_list = bool(compact_list)
+        if self.numbered_actions and self.compact_list:
+            raise ValueError("numbered_actions and compact_list are exclusive: a number names a line of the full list")
         if self.numbered_actions and self.nearest_match:
             raise ValueError("numbered_actions and nearest_match are exclusive: a number is read exactly or not at all")
         budget = (
@@ -369,9 +427,11 @@ class ALFWorldEnv(TextEnv):
             if invalid_action_budget is not None
             else "invalid actions are not otherwise limited"
         )
-        template = (NUMBERED_SYSTEM_PROMPT_TEMPLATE if self.numbered_actions
+        template = (COMPACT_SYSTEM_PROMPT_TEMPLATE if self.compact_list
+                    else NUMBERED_SYSTEM_PROMPT_TEMPLATE if self.numbered_actions
                     else NEAREST_SYSTEM_PROMPT_TEMPLATE if self.nearest_match else SYSTEM_PROMPT_TEMPLATE)
-        self.system_prompt = template.format(budget=budget, max_turns=max_turns)
+        self.system_prompt = template.format(budget=budget, max_turns=max_turns,
+                                             matching=COMPACT_MATCHING[self.nearest_match])
         self._tw_env = None  # one textworld env, reloaded per game: each one dlopens its own copy of fast-downward
         self._loaded_game: Path | None = None
         self._state = None
@@ -388,6 +448,7 @@ class ALFWorldEnv(TextEnv):
             from textworld.envs.pddl import PddlEnv
 
             _install_translation_memo()
+            _install_parse_memos()
             # The walkthrough is only requested for the expert: for a game without a stored one, textworld would
             # run the planner at every reset.
             extras = ["gamefile", "walkthrough"] if self.expert else ["gamefile"]
@@ -451,7 +512,7 @@ class ALFWorldEnv(TextEnv):
         intro = self._state.feedback.replace(_BANNER, "").strip()
         goal = _GOAL_LINE.search(intro)
         self._goal_line = goal.group(0).strip() if goal else None
-        obs = f"{intro}\n\n{_format_commands(self._state.admissible_commands, self.numbered_actions)}"
+        obs = f"{intro}\n\n{_format_commands(self._state.admissible_commands, self.numbered_actions, self.compact_list)}"
         info = self._info(success=False)
         info["system"] = self.system_prompt
         self._last_text = obs
@@ -494,7 +555,7 @@ class ALFWorldEnv(TextEnv):
         self._done = terminated or truncated
         if not self._done and self.restate_goal and self._goal_line:
             text = f"{text}\n\n{self._goal_line}"
-        obs = text if self._done else f"{text}\n\n{_format_commands(self._state.admissible_commands, self.numbered_actions)}"
+        obs = text if self._done else f"{text}\n\n{_format_commands(self._state.admissible_commands, self.numbered_actions, self.compact_list)}"
         info = self._info(success=won)
         info["invalid_action"] = invalid
         info["approximate_action"] = approximate

@@ -389,3 +389,62 @@ def test_restate_goal_repeats_the_task_line_before_every_later_list(data_dir):
     assert truncated and goal not in obs  # the last observation has no list and no restated goal
     plain.close()
     env.close()
+
+
+def test_compact_list_lists_only_what_changes_from_state_to_state(data_dir):
+    from agentenv.envs.alfworld import ALWAYS_ADMISSIBLE, GO_TO_LINE
+
+    full = ALFWorldEnv("valid_unseen", data_dir, max_turns=4, nearest_match=True)
+    env = ALFWorldEnv("valid_unseen", data_dir, max_turns=4, nearest_match=True, compact_list=True)
+    assert "go to any receptacle in the room" in env.system_prompt and "read as the closest" in env.system_prompt
+    assert len(env.system_prompt) < len(full.system_prompt) / 1.4
+    obs_full, info_full = full.reset(options={"game": PICK_PLACE})
+    obs, info = env.reset(options={"game": PICK_PLACE})
+    for turn in range(3):
+        assert info["admissible_commands"] == info_full["admissible_commands"]  # the game admits exactly the same
+        head, _, listed = obs.partition("\n\nAdmissible actions:\n")
+        assert head == obs_full.partition("\n\nAdmissible actions:\n")[0]  # the game text is untouched
+        lines = listed.split("\n")
+        assert lines[0] == GO_TO_LINE
+        assert lines[1:] == [c for c in info["admissible_commands"]
+                             if not c.startswith("go to ") and c not in ALWAYS_ADMISSIBLE]
+        # a command left out of the list is still played as it is written: go to, look
+        command = ("go to desk 1", "look", next(c for c in info["admissible_commands"] if c.startswith("go to ")))[turn]
+        assert command in info["admissible_commands"]
+        obs_full, *_ , info_full = full.step(f"<action>{command}</action>")
+        obs, _, _, _, info = env.step(f"<action>{command}</action>")
+        assert not info["approximate_action"] and not info["invalid_action"]
+    assert len(obs) < len(obs_full)
+    with pytest.raises(ValueError, match="exclusive"):
+        ALFWorldEnv("valid_unseen", data_dir, numbered_actions=True, compact_list=True)
+    full.close()
+    env.close()
+
+
+def test_parse_memos_leave_every_observation_unchanged(data_dir, tmp_path):
+    """textworld's template and query parses are memoized (a step ~2x faster); a fresh process without the memo
+    must see byte-identical observations over a random walk through a real game."""
+    import json
+    import sys
+
+    script = tmp_path / "walk.py"
+    script.write_text(f"""
+import json, random, sys
+import agentenv.envs.alfworld as alf
+if sys.argv[1] == "off":
+    alf._install_parse_memos = lambda: None
+env = alf.ALFWorldEnv("valid_unseen", {str(data_dir)!r}, max_turns=30)
+rng, out = random.Random(0), []
+for game in (0, 5):
+    obs, info = env.reset(options={{"game": game}})
+    out.append(obs)
+    for _ in range(12):
+        obs, _, term, trunc, info = env.step("<action>" + rng.choice(info["admissible_commands"]) + "</action>")
+        out.append(obs)
+        if term or trunc:
+            break
+print(json.dumps(out))
+""")
+    walks = [json.loads(subprocess.run([sys.executable, str(script), mode], check=True, capture_output=True,
+                                       text=True).stdout.splitlines()[-1]) for mode in ("on", "off")]
+    assert len(walks[0]) > 10 and walks[0] == walks[1]
