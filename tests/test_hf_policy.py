@@ -127,3 +127,37 @@ def test_stop_ids_include_every_generation_config_eos(tiny_policy):
     model.generation_config.eos_token_id = [tok.eos_token_id, eot]
     assert HFPolicy(model, tok).stop_ids == {tok.eos_token_id, eot}
     assert tiny_policy.stop_ids == {tok.eos_token_id}
+
+
+def test_prefix_cache_runs_only_the_new_tokens_and_never_outlives_the_weights(chatty_policy):
+    """A turn that extends an earlier sequence reuses its keys/values: the log-probs are those of a full forward, the
+    draws are those of a sampler without the cache (same seed), and loading weights empties the cache (a kept
+    key/value of the old weights would mix two policy versions in one generation)."""
+    import copy
+
+    from agentenv.hf_policy import HFPolicy
+
+    tok = chatty_policy.tokenizer
+    fresh = lambda cache: HFPolicy(copy.deepcopy(chatty_policy.model), tok, seed=3,  # noqa: E731
+                                   prefix_cache_tokens=cache)
+    on, off = fresh(1 << 16), fresh(0)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=6)
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ("a first question", "another, longer one here")]
+    for turn in range(3):  # each row's next prompt = its prompt + what was sampled + an observation
+        got_on = on.generate([GenerationRequest(p, sp) for p in prompts])
+        got_off = off.generate([GenerationRequest(p, sp) for p in prompts])
+        for p, a, b in zip(prompts, got_on, got_off):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+            ref = reference_logprobs(on.model, p + a.token_ids, 1.0, 1.0, 0)[len(p) - 1:]
+            assert max(abs(x - y) for x, y in zip(ref, a.logprobs)) <= 1e-4
+        prompts = [p + g.token_ids + tok(f" observation {turn}", add_special_tokens=False)["input_ids"]
+                   for p, g in zip(prompts, got_on)]
+    assert on.prefix_cache.hits == 4 and on.prefix_cache.misses == 2 and off.prefix_cache is None
+    assert on.prefix_cache.tokens > 0
+    on.load_weights({k: v + 0.05 * torch.randn_like(v) for k, v in on.model.state_dict().items()})
+    assert on.prefix_cache.tokens == 0
+    g = on.generate([GenerationRequest(prompts[0], sp)])[0]
+    assert on.prefix_cache.misses == 3  # recomputed under the new weights
+    ref = reference_logprobs(on.model, prompts[0] + g.token_ids, 1.0, 1.0, 0)[len(prompts[0]) - 1:]
+    assert max(abs(x - y) for x, y in zip(ref, g.logprobs)) <= 1e-4
