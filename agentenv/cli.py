@@ -274,6 +274,8 @@ def _add_sft(sub) -> None:
     p.add_argument("--all", action="store_true", help="also imitate unsuccessful demos (default: successes only)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                   help="lr after warmup: constant, or cosine decay to a tenth of --lr at the last step")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--context-loss-weight", type=float, default=0.0,
@@ -306,7 +308,7 @@ def cmd_sft(args) -> int:
                 break
         demos = prepare_demos(raw, tok, only_successful=not args.all, max_tokens=args.max_tokens)
     r = train_sft(model, demos, SFTConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-                                          context_loss_weight=args.context_loss_weight))
+                                          context_loss_weight=args.context_loss_weight, schedule=args.schedule))
     out = save_checkpoint_dir(model, tok, args.out)
     print(f"sft demos={r['demos']} steps={r['steps']} loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} "
           f"wall={r['wall_s']:.0f}s -> {out}")

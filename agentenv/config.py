@@ -128,10 +128,14 @@ class SFTSection(_Section):
     tool_fraction: float = Field(0.25, ge=0, le=1)  # scripted demos: share that use the tool
     epochs: int = Field(3, ge=1)
     lr: float = Field(1e-4, gt=0)
+    schedule: Literal["constant", "cosine"] = "constant"  # lr after warmup (cosine: down to lr / 10 at the end)
     batch_size: int = Field(16, ge=1)
     # > 0: SFT also predicts the prompt/observation tokens with this weight (agentenv.sft: for a model trained from
     # scratch, language-model signal on the env's own text; 0 = the usual loss on the assistant's tokens only)
     context_loss_weight: float = Field(0.0, ge=0)
+    # False: imitate every demo, won or lost -- right for a player whose lost plays act as well as its won ones (a
+    # blind searcher that ran out of turns); True keeps only won demos (imitating a failure teaches failing)
+    only_successful: bool = True
 
 
 class RunSection(_Section):

@@ -237,10 +237,11 @@ def warm_start(cfg: RunConfig, model_path: str, out: Path, *, progress: bool = T
     else:
         raw = (expert_demos(cfg, out.parent / "sft_demos.jsonl", progress=progress, echo=echo) if s.demos == "expert"
                else list(iter_jsonl(demos_path(s.demos)))[: s.num_demos])
-        demos = prepare_demos(raw, tok, max_tokens=cfg.rollout.max_total_tokens)
+        demos = prepare_demos(raw, tok, only_successful=s.only_successful, max_tokens=cfg.rollout.max_total_tokens)
     echo(f"sft warm start: {len(demos)} demos ({s.demos}), {s.epochs} epochs, lr {s.lr}")
     r = train_sft(model, demos, SFTConfig(epochs=s.epochs, lr=s.lr, batch_size=s.batch_size, seed=cfg.loop.seed,
-                                          context_loss_weight=s.context_loss_weight), progress=progress)
+                                          context_loss_weight=s.context_loss_weight, schedule=s.schedule),
+                  progress=progress)
     echo(f"sft done: loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} in {r['steps']} steps, {r['wall_s']:.0f}s")
     return save_checkpoint_dir(model, tok, out)
 

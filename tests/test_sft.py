@@ -85,3 +85,36 @@ def test_sft_reduces_loss_on_policy_tokens_only(tok):
     r = train_sft(model, demos, SFTConfig(epochs=6, lr=3e-3, batch_size=8, warmup_steps=1), progress=False)
     after = sft_loss(model, b).item()
     assert r["steps"] == 6 and after < before - 0.5
+
+
+@pytest.mark.parametrize("n,batch_size", [(1, 8), (37, 4), (300, 8)])
+def test_length_grouped_batches_cover_every_demo_once_with_little_padding(n, batch_size):
+    import random
+
+    from agentenv.sft import _length_grouped_batches
+
+    rng = random.Random(n)
+    demos = [Trajectory(token_ids=[1] * rng.randrange(50, 1200)) for _ in range(n)]
+    lengths = [len(d.token_ids) for d in demos]
+    batches = _length_grouped_batches(demos, batch_size, random.Random(0))
+    assert sorted(i for b in batches for i in b) == list(range(n))
+    assert all(1 <= len(b) <= batch_size for b in batches)
+    assert batches != _length_grouped_batches(demos, batch_size, random.Random(1)) or n == 1  # the seed shuffles
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in batches) / sum(lengths)
+    order = list(range(n))
+    random.Random(0).shuffle(order)
+    plain = sum(max(lengths[i] for i in order[s:s + batch_size]) * len(order[s:s + batch_size])
+                for s in range(0, n, batch_size)) / sum(lengths)
+    assert padded <= plain and (n < 100 or padded < 1.1 < plain)
+
+
+def test_sft_cosine_schedule_decays_to_the_floor():
+    from agentenv.sft import _lr_factor
+
+    cfg = SFTConfig(schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
+    factors = [_lr_factor(cfg, s, 100) for s in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[9:], factors[10:])) and factors[-1] == pytest.approx(0.1)
+    assert all(_lr_factor(SFTConfig(), s, 100) == 1.0 for s in range(10, 100))
+    with pytest.raises(ValueError, match="schedule"):
+        _lr_factor(SFTConfig(schedule="linear"), 50, 100)
