@@ -268,7 +268,7 @@ def _add_sft(sub) -> None:
                                    "directory usable as --model DIR.")
     p.add_argument("--model", default="tiny:128x4")
     p.add_argument("--demos", default="scripted", help="'scripted', a trajectories JSONL path (.jsonl or .jsonl.xz), "
-                                                       "or builtin:NAME for shipped demos (builtin:alfworld_expert_demos)")
+                                                       "or builtin:NAME for shipped demos (builtin:alfworld_demos)")
     p.add_argument("--num-demos", type=int, default=1000)
     p.add_argument("--tool-fraction", type=float, default=0.25, help="scripted demos: share that call the tool")
     p.add_argument("--all", action="store_true", help="also imitate unsuccessful demos (default: successes only)")

@@ -54,7 +54,7 @@ class SFTConfig:
 
 def demos_path(demos: str) -> Path:
     """A demos file named by config: a path, or ``builtin:NAME`` for demos shipped as
-    ``agentenv/envs/data/NAME.jsonl.xz`` (e.g. ``builtin:alfworld_expert_demos``). Raises FileNotFoundError."""
+    ``agentenv/envs/data/NAME.jsonl.xz`` (e.g. ``builtin:alfworld_demos``). Raises FileNotFoundError."""
     if not demos.startswith("builtin:"):
         if not Path(demos).is_file():
             raise FileNotFoundError(f"no demos file {demos!r}")

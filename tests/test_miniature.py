@@ -185,34 +185,40 @@ def test_shipped_demo_games_unpack_once_into_the_cache(tmp_path, monkeypatch):
         resolve_data_root("builtin:nope")
 
 
-def test_shipped_expert_demos_are_what_the_env_says_today():
+def test_shipped_demos_are_what_the_env_says_today():
     """The shipped demos are text; replaying their actions on the same games must give exactly their observations
-    (system prompt included), or the SFT warm start would imitate an env that no longer exists."""
+    (system prompt included) and their outcome, or the SFT warm start would imitate an env that no longer exists.
+    Both players play every train game once: the walkthrough wins each, the searcher wins some."""
     from agentenv.envs.alfworld import ALFWorldEnv
     from agentenv.sft import demos_path
     from agentenv.trajectory import iter_jsonl
 
     cfg = yaml.safe_load((REPO / "configs" / "alfworld_demo.yaml").read_text())
     demos = list(iter_jsonl(demos_path(cfg["sft"]["demos"])))
-    assert len(demos) == 1098 and all(d.success for d in demos)
+    assert len(demos) == cfg["sft"]["num_demos"] == 2 * 1098
+    by_player = {p: {d.task: d for d in demos if d.meta["player"] == p} for p in ("walkthrough", "searcher")}
+    assert all(len(v) == 1098 for v in by_player.values())
+    assert all(d.success for d in by_player["walkthrough"].values())
+    searcher_wins = sum(d.success for d in by_player["searcher"].values())
+    assert 0.1 * 1098 < searcher_wins < 1098  # it searches: it wins some and runs out of turns on others
     kw = {**cfg["env"]["kwargs"], "max_turns": cfg["rollout"]["max_turns"]}
     env = ALFWorldEnv("train", **kw)
-    shipped = {d.task: d for d in demos}
     replayed = 0
     try:
-        for game in env.games[::16]:  # 8 of the 128 shipped train games, both task types
-            d = shipped[game]
-            obs, info = env.reset(options={"game": game})
-            msgs = [m for m in d.messages if m["role"] in ("system", "user", "assistant")]
-            assert msgs[0] == {"role": "system", "content": info["system"]} and msgs[1]["content"] == obs
-            for i in range(2, len(msgs) - 1, 2):
-                obs, reward, terminated, truncated, info = env.step(msgs[i]["content"])
-                assert msgs[i + 1]["content"] == obs, (game, i)
-            assert terminated and info["success"]
-            replayed += 1
+        for game in env.games[::16]:  # 8 of the 128 shipped train games, both task types, both players
+            for player, shipped in by_player.items():
+                d = shipped[game]
+                obs, info = env.reset(options={"game": game})
+                msgs = [m for m in d.messages if m["role"] in ("system", "user", "assistant")]
+                assert msgs[0] == {"role": "system", "content": info["system"]} and msgs[1]["content"] == obs
+                for i in range(2, len(msgs) - 1, 2):
+                    obs, reward, terminated, truncated, info = env.step(msgs[i]["content"])
+                    assert msgs[i + 1]["content"] == obs, (game, player, i)
+                assert (terminated or truncated) and info["success"] == d.success, (game, player)
+                replayed += 1
     finally:
         env.close()
-    assert replayed == 8
+    assert replayed == 16
 
 
 def test_sft_context_loss_adds_the_observation_tokens_nll():
