@@ -166,7 +166,8 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
         finally:
             if bar is not None:
                 bar.close()
-        if cfg.eval.at_end and not trainer.interrupted:  # Ctrl-C means "stop now": save, do not evaluate
+        # Ctrl-C means "stop now": save, do not evaluate; weights that eval.every just measured are not run again
+        if cfg.eval.at_end and not trainer.interrupted and not (evals and evals[-1]["update"] == trainer.step):
             do_eval(current_weights_policy(), trainer.step)
         final = run_dir / "final_model"
         learner.save_pretrained(final, source=model_path)

@@ -67,3 +67,14 @@ def test_plot_command(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 0
     assert (tmp_path / "curves.png").exists()
     assert main(["plot", str(tmp_path / "nope")]) == 2
+
+
+def test_end_of_run_eval_is_not_repeated_when_eval_every_just_ran(tmp_path):
+    """eval.every=2 over 2 updates with eval.at_end: the final weights are evaluated once, not twice."""
+    run = tmp_path / "run"
+    assert main(["run", "--env", "guess", "--model", "tiny", "--no-progress", "--run-dir", str(run),
+                 "--set", "loop.batch_size=2", "--set", "loop.total_updates=2", "--set", "eval.every=2",
+                 "--set", "eval.at_end=true", "--set", "eval.episodes=2", "--set", "rollout.max_new_tokens=8",
+                 "--set", "run.plot=false", "--set", "run.tensorboard=false"]) == 0
+    evals = json.loads((run / "summary.json").read_text())["evals"]
+    assert [e["update"] for e in evals] == [2]
