@@ -11,10 +11,10 @@ Prefix cache: a multi-turn episode asks again with its previous prompt + the tok
 observation. The keys/values of every sequence a generation leaves behind are kept (:class:`PrefixKVCache`, bounded
 by ``prefix_cache_tokens``), and a request that extends one exactly only runs its new tokens through the model, so a
 turn costs its own tokens instead of the whole history (``benchmarks/prefix_cache.py`` prints the ratio: ~3x per turn
-at 12 turns on the tiny model). The cache is emptied whenever weights are loaded (a kept key/value was computed by the old weights: using it would mix two
-policy versions in one generation), and it is off for models whose cache is not one plain tensor per layer (sliding
-windows). Cached and fresh prefill agree to float rounding (~1e-6 in log-probs), and what is recorded is always what
-the sampler drew from.
+at 12 turns on the tiny model). The cache is emptied whenever weights are loaded (a kept key/value was computed by
+the old weights: using it would mix two policy versions in one generation), and it is off for models whose cache is
+not one plain tensor per layer (sliding windows). Cached and fresh prefill agree to float rounding (~1e-6 in
+log-probs), and what is recorded is always what the sampler drew from.
 
 Weights are published with :meth:`HFPolicy.load_weights` which bumps ``policy_version`` under a lock, so a
 generation never mixes two weight versions. The load is strict: every key the model has (a tied weight may be

@@ -208,13 +208,12 @@ def _length_grouped_batches(demos: Sequence[Trajectory], batch_size: int, rng: r
 
 
 def _lr_factor(cfg: SFTConfig, step: int, total: int) -> float:
-    if cfg.schedule not in ("constant", "cosine"):
-        raise ValueError(f"sft schedule must be 'constant' or 'cosine', got {cfg.schedule!r}")
-    warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-    if cfg.schedule == "constant" or step < cfg.warmup_steps:
-        return warm
-    done = (step - cfg.warmup_steps) / max(1, total - 1 - cfg.warmup_steps)
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+    """Linear warmup over ``cfg.warmup_steps``, then the learner's schedule (:mod:`agentenv.trainer.schedule`,
+    constant or cosine down to ``min_lr_ratio``) over the remaining steps."""
+    from agentenv.trainer.schedule import Schedule
+
+    after = Schedule(cfg.schedule, max(1, total - cfg.warmup_steps), 0.0, cfg.min_lr_ratio)  # checks the name
+    return (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else after(step - cfg.warmup_steps)
 
 
 def save_checkpoint_dir(model, tokenizer, out: str | Path) -> Path:
