@@ -161,6 +161,18 @@ def resolve_data_root(data_dir: str | os.PathLike | None = None) -> Path:
     return root.resolve()
 
 
+def _import_alfworld():
+    """``import alfworld``, tolerating an empty ``$ALFWORLD_DATA``.
+
+    alfworld creates ``$ALFWORLD_DATA`` at import time and crashes on an empty value (``os.makedirs('')``), while
+    :func:`resolve_data_root` reads empty as unset; so an empty value is dropped first, meaning the same thing to both."""
+    if DATA_ENV_VAR in os.environ and not os.environ[DATA_ENV_VAR].strip():
+        del os.environ[DATA_ENV_VAR]
+    import alfworld
+
+    return alfworld
+
+
 def builtin_root(name: str) -> Path:
     """A shipped data root: ``sample`` (the 24-game sample folder) or ``demo`` (:data:`DEMO_ARCHIVE`, unpacked on first
     use into ``$AGENTENV_CACHE`` under a name that carries the archive's hash, so a new archive never mixes with an
@@ -441,6 +453,8 @@ class ALFWorldEnv(TextEnv):
     def _textworld_env(self):
         if self._tw_env is None:
             import textworld
+
+            _import_alfworld()
             from alfworld.agents.environment.alfred_tw_env import (
                 AlfredDemangler,
                 AlfredInfos,
@@ -632,11 +646,12 @@ class ALFWorldEnv(TextEnv):
             except Exception as e:  # noqa: BLE001 -- reported, not raised: a dry run shows every problem at once
                 out.append(Check(f"alfworld {split}", False, str(e)))
         try:
-            import alfworld  # noqa: F401
-
+            _import_alfworld()
             out.append(Check("alfworld package", True, "importable"))
         except ImportError:
             out.append(Check("alfworld package", False, "pip install 'agentenv[alfworld]' (needs a C++ compiler)"))
+        except Exception as e:  # noqa: BLE001 -- alfworld runs code at import (it creates its data folder)
+            out.append(Check("alfworld package", False, f"import alfworld failed: {type(e).__name__}: {e}"))
         return out
 
     def _expert_action(self) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import uuid
 from pathlib import Path
@@ -104,6 +105,16 @@ def test_packaged_sample_loads_without_alfworld_data(monkeypatch):
     obs, info = env.reset(seed=0)
     assert "Your task is to:" in obs and info["task"] in env.games
     env.close()
+
+
+def test_empty_alfworld_data_means_unset():
+    """alfworld itself crashes at import on ALFWORLD_DATA="" (os.makedirs('')); the env treats it as unset. A fresh
+    process, because alfworld reads the variable once, at its first import."""
+    code = ("from agentenv.envs.alfworld import ALFWorldEnv; e = ALFWorldEnv('valid_seen', 'builtin:sample'); "
+            "obs, info = e.reset(seed=0); print('Your task is to:' in obs)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ALFWORLD_DATA": ""}, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
 
 
 def test_missing_data_says_how_to_get_it(tmp_path, monkeypatch):
