@@ -56,7 +56,7 @@ def task_list(cfg: RunConfig, split: str | None = None, *, limit: int | None = N
         index = sorted(np.random.default_rng(cfg.loop.seed).choice(n, cfg.env.num_tasks, replace=False).tolist())
     if limit is not None:
         index = index[:limit]
-    return [Task(seed=i, options=dict(options[i]) if options else None, meta={"sample": s})
+    return [Task(seed=i, options=dict(options[i]) if options else None, meta={"task": i, "sample": s})
             for i in index for s in range(samples)]
 
 

@@ -4,7 +4,9 @@
 through :func:`agentenv.runtime.run_episodes` at the eval sampling settings (``eval.temperature`` / ``eval.top_p``,
 else the rollout's), and returns :func:`agentenv.metrics.batch_metrics` of the trajectories (success, per-type
 success, tool-call rate, ...) plus ``episodes``, ``successes``, ``episodes_by_type`` (episodes per task type, for
-confidence intervals of ``success_<type>``) and ``wall_s``. ``split=None`` evaluates on the training tasks.
+confidence intervals of ``success_<type>``), ``task_successes`` (``{task index: [successes, episodes]}``, string
+keys so it survives JSON: what lets a before/after comparison pair each task with itself) and ``wall_s``.
+``split=None`` evaluates on the training tasks.
 The same function serves periodic evaluation during a run, ``agentenv run --eval-only`` and ``agentenv eval``.
 The policy must already hold the weights to evaluate (the run loads the learner's current weights into it).
 """
@@ -31,10 +33,16 @@ def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | N
     m.pop("tokens", None)
     # which weights played: the versions every sampled token carries (one, when the policy was up to date)
     by_type: dict[str, int] = {}
+    by_task: dict[str, list[int]] = {}
     for t in trajs:
         if t.task_type:
             by_type[str(t.task_type)] = by_type.get(str(t.task_type), 0) + 1
+        if "task" in t.meta:
+            counts = by_task.setdefault(str(t.meta["task"]), [0, 0])
+            counts[0] += bool(t.success)
+            counts[1] += 1
     m.update(episodes=len(trajs), successes=sum(bool(t.success) for t in trajs), wall_s=time.perf_counter() - t0,
              episodes_by_type=dict(sorted(by_type.items())),
+             task_successes=dict(sorted(by_task.items(), key=lambda kv: int(kv[0]))),
              policy_versions=sorted({v for t in trajs for v in t.versions}))
     return m

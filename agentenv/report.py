@@ -2,10 +2,16 @@
 and end): curves over updates as sparklines, the evaluation before and after RL side by side -- per eval split, with
 a 95% confidence interval over the eval episodes, the change with its own interval, and success per task type when
 the env has task types -- the wall time, and ``RUN/demo_result.json``. It drives :func:`agentenv.train.run`; the
-only numbers it computes itself are the intervals (:func:`wilson_interval`, :func:`difference_interval`).
+only numbers it computes itself are the intervals (:func:`wilson_interval`, :func:`difference_interval`,
+:func:`paired_difference_interval`).
 
-The intervals treat eval episodes as independent draws. With ``eval.samples > 1`` several episodes share a task, so
-the honest reading is "over episodes of these tasks", not "over tasks"; the printed counts say how many of each.
+Each success rate's interval (Wilson) treats eval episodes as independent draws. With ``eval.samples > 1`` several
+episodes share a task, so read it as "over episodes of these tasks". The change is measured on the same tasks before
+and after, so its interval pairs them: the task is the unit (its episodes are not independent of each other, and a
+hard game stays hard after RL), the interval is a seeded bootstrap over tasks of the mean per-task change
+(:func:`paired_difference_interval`). Where the evaluations carry no per-task counts (an older ``eval.jsonl``, or
+fewer than two tasks) the change falls back to Newcombe's interval for two independent proportions; the table
+says which one it printed.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import json
 import math
 import time
+
+import numpy as np
 
 from agentenv.plot import ascii_curve
 from agentenv.train import run
@@ -42,6 +50,31 @@ def difference_interval(s1: int, n1: int, s2: int, n2: int, z: float = Z95) -> t
     return d - math.sqrt((p2 - l2) ** 2 + (u1 - p1) ** 2), d + math.sqrt((u2 - p2) ** 2 + (p1 - l1) ** 2)
 
 
+def paired_difference_interval(before: dict, after: dict, *, level: float = 0.95, resamples: int = 10_000,
+                               seed: int = 0) -> tuple[float, float, int]:
+    """Interval for the mean per-task change in success, pairing each task with itself.
+
+    ``before`` / ``after`` map a task key to ``[successes, episodes]`` (:func:`agentenv.evaluation.evaluate`'s
+    ``task_successes``). Over the tasks both played, d_j = after rate - before rate; the interval is the percentile
+    bootstrap of mean(d) with tasks resampled (the tasks are the independent draws, not their episodes). Seeded, so
+    a report is reproducible. Returns (low, high, number of paired tasks)."""
+    keys = sorted(set(before) & set(after), key=str)
+    if len(keys) < 2:
+        raise ValueError(f"a paired interval needs at least two tasks played before and after, got {len(keys)}")
+    for k in keys:
+        for counts in (before[k], after[k]):
+            s, n = counts
+            if not (n >= 1 and 0 <= s <= n):
+                raise ValueError(f"task {k}: counts must be [successes, episodes] with 0 <= successes <= episodes >= 1, "
+                                 f"got {counts}")
+    d = np.array([after[k][0] / after[k][1] - before[k][0] / before[k][1] for k in keys])
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(axis=1)
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(means, [alpha, 1 - alpha])
+    return float(lo), float(hi), len(keys)
+
+
 def _successes(ev: dict) -> int:
     return int(ev.get("successes", round(ev["success_rate"] * ev["episodes"])))
 
@@ -49,6 +82,7 @@ def _successes(ev: dict) -> int:
 def before_after_table(before: list[dict], after: list[dict], updates: int) -> list[str]:
     """Lines of the before/after table: one block per eval split (matched by name)."""
     lines = [f"{'':24s}{'warm start (SFT)':>24s}{f'after {updates} RL updates':>26s}{'change':>26s}"]
+    kinds: set[str] = set()
     for b in before:
         a = next((e for e in after if e["split"] == b["split"]), None)
         if a is None:
@@ -56,8 +90,13 @@ def before_after_table(before: list[dict], after: list[dict], updates: int) -> l
         sb, sa, nb, na = _successes(b), _successes(a), b["episodes"], a["episodes"]
         lb, ub = wilson_interval(sb, nb)
         la, ua = wilson_interval(sa, na)
-        ld, ud = difference_interval(sb, nb, sa, na)
-        lines.append(f"  {b['split']} ({nb} episodes)")
+        paired = None
+        if len(set(b.get("task_successes") or {}) & set(a.get("task_successes") or {})) >= 2:
+            ld, ud, paired = paired_difference_interval(b["task_successes"], a["task_successes"])
+        else:
+            ld, ud = difference_interval(sb, nb, sa, na)
+        kinds.add("paired" if paired else "newcombe")
+        lines.append(f"  {b['split']} ({nb} episodes" + (f" of {paired} tasks)" if paired else ")"))
         lines.append(f"    {'success':20s}{b['success_rate']:8.2f} [{lb:.2f}, {ub:.2f}]    {a['success_rate']:10.2f} "
                      f"[{la:.2f}, {ua:.2f}]    {a['success_rate'] - b['success_rate']:+10.2f} [{ld:+.2f}, {ud:+.2f}]")
         if b.get("tool_share") or a.get("tool_share"):
@@ -70,7 +109,9 @@ def before_after_table(before: list[dict], after: list[dict], updates: int) -> l
                              + (f"{'':17s}({nbt} / {nat} episodes)" if nbt else ""))
         if "turns_mean" in b:
             lines.append(f"    {'turns / episode':20s}{b['turns_mean']:8.2f}{'':15s}{a['turns_mean']:10.2f}")
-    lines.append("  (success: mean and 95% Wilson interval over eval episodes; change: Newcombe interval)")
+    how = {"paired": "bootstrap over tasks, each paired with itself", "newcombe": "Newcombe interval"}
+    lines.append("  (success: mean and 95% Wilson interval over eval episodes; change: 95% "
+                 + ", or ".join(how[k] for k in sorted(kinds, reverse=True)) + ")")
     return lines
 
 

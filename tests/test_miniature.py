@@ -15,7 +15,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentenv.report import difference_interval, wilson_interval
+from agentenv.report import before_after_table, difference_interval, paired_difference_interval, wilson_interval
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,6 +54,58 @@ def test_difference_interval_excludes_zero_only_for_a_real_gap():
     assert difference_interval(10, 100, 40, 100)[0] > 0  # 0.10 -> 0.40 over 100 episodes each: clearly up
     lo, hi = difference_interval(10, 20, 12, 20)  # 0.50 -> 0.60 over 20 each: not resolved
     assert lo < 0 < hi
+
+
+@given(tasks=st.integers(2, 60), samples=st.integers(1, 8), data=st.data())
+@settings(max_examples=100, deadline=None)
+def test_paired_interval_contains_the_mean_task_change(tasks, samples, data):
+    counts = st.lists(st.integers(0, samples), min_size=tasks, max_size=tasks)
+    b, a = data.draw(counts), data.draw(counts)
+    lo, hi, n = paired_difference_interval({str(j): [b[j], samples] for j in range(tasks)},
+                                           {str(j): [a[j], samples] for j in range(tasks)}, resamples=2000)
+    d = (sum(a) - sum(b)) / (tasks * samples)
+    assert n == tasks and -1.0 <= lo <= d + 1e-9 and d - 1e-9 <= hi <= 1.0
+    same = {str(j): [b[j], samples] for j in range(tasks)}
+    assert paired_difference_interval(same, same)[:2] == (0.0, 0.0)  # nothing changed on any task: no doubt at all
+
+
+def test_paired_interval_covers_zero_when_nothing_changed():
+    """The null holds (each task keeps its own success probability, from hopeless to easy): the 95% interval
+    must contain 0 in about 95% of repeated evaluations -- the task-level resampling is what makes that true."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    covered, trials = 0, 300
+    for t in range(trials):
+        p = rng.beta(0.4, 1.2, size=42)  # ALFWorld-like: most games rarely solved, a few often
+        b, a = rng.binomial(4, p), rng.binomial(4, p)
+        lo, hi, _ = paired_difference_interval({str(j): [int(b[j]), 4] for j in range(42)},
+                                               {str(j): [int(a[j]), 4] for j in range(42)}, resamples=2000, seed=t)
+        covered += lo <= 0 <= hi
+    assert 0.90 <= covered / trials <= 0.99
+
+
+def test_paired_interval_is_tighter_than_unpaired_when_tasks_differ_and_is_reported():
+    # 20 tasks always solved, 15 never, 5 newly solved after RL: the hard/easy split is the same before and after,
+    # so pairing removes it; the unpaired interval has to carry it as noise
+    before = {str(j): [4 if j < 20 else 0, 4] for j in range(40)}
+    after = {str(j): [4 if j < 25 else 0, 4] for j in range(40)}
+    lo, hi, n = paired_difference_interval(before, after)
+    nlo, nhi = difference_interval(80, 160, 100, 160)
+    assert n == 40 and 0 < lo < 0.125 < hi and hi - lo < nhi - nlo
+    with pytest.raises(ValueError, match="at least two tasks"):
+        paired_difference_interval({"0": [1, 4]}, {"0": [2, 4], "1": [0, 4]})
+    with pytest.raises(ValueError, match="successes"):
+        paired_difference_interval({"0": [5, 4], "1": [0, 4]}, {"0": [2, 4], "1": [0, 4]})
+    ev = {"split": "valid_unseen", "episodes": 160}
+    lines = before_after_table([{**ev, "success_rate": 0.5, "successes": 80, "task_successes": before}],
+                               [{**ev, "success_rate": 0.625, "successes": 100, "task_successes": after}], 48)
+    text = "\n".join(lines)
+    assert "160 episodes of 40 tasks" in text and f"[{lo:+.2f}, {hi:+.2f}]" in text and "paired" in text
+    # an eval without per-task counts (an older eval.jsonl) falls back to Newcombe's interval, and says so
+    text = "\n".join(before_after_table([{**ev, "success_rate": 0.5, "successes": 80}],
+                                        [{**ev, "success_rate": 0.625, "successes": 100}], 48))
+    assert f"[{nlo:+.2f}, {nhi:+.2f}]" in text and "Newcombe" in text
 
 
 # ------------------------------------------------------------------------------------------- the tiny vocabulary
@@ -268,8 +320,12 @@ def test_alfworld_demo_two_updates_on_the_shipped_games(tmp_path, monkeypatch):
     for split in ("valid_seen", "valid_unseen"):
         b = res["before"][split]
         assert b["episodes"] == 2 and b["policy_versions"] == [0]
+        # one [successes, episodes] per eval game, the same games before and after: the change is paired by game
+        assert b["task_successes"].keys() == res["after"][split]["task_successes"].keys() == {"0", "1"}
+        assert sum(n for _, n in b["task_successes"].values()) == 2
+        assert sum(s for s, _ in b["task_successes"].values()) == b["successes"]
         assert res["after"][split]["policy_versions"] == [final_version]  # the learner's weights at the end
-    assert any("95% Wilson" in line for line in res["table"])
+    assert any("95% Wilson" in line for line in res["table"]) and any("2 episodes of 2 tasks" in x for x in res["table"])
     assert any(line.strip().startswith("valid_unseen") for line in res["table"])
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in recs if "event" not in r] == [1, 2]
