@@ -107,6 +107,17 @@ def test_packaged_sample_loads_without_alfworld_data(monkeypatch):
     env.close()
 
 
+def test_preflight_calls_only_a_sample_a_sample(data_dir):
+    """The full release filtered to two task types is every game of those types, not a sample to warn about; the
+    shipped demo games are a sample (the two types only), and the check says how to get the rest."""
+    types = ["pick_and_place", "look_at_obj_in_light"]
+    full = {c.what: c for c in ALFWorldEnv.preflight(splits=["train", "valid_seen"], data_dir=data_dir, task_types=types)}
+    assert full["alfworld train"].ok and full["alfworld train"].detail.startswith("1098 games under")
+    assert "full split" not in full["alfworld train"].detail and "full split" not in full["alfworld valid_seen"].detail
+    demo = {c.what: c for c in ALFWorldEnv.preflight(splits=["valid_seen"], data_dir="builtin:demo", task_types=types)}
+    assert "48 games" in demo["alfworld valid_seen"].detail and "the full split has 140" in demo["alfworld valid_seen"].detail
+
+
 def test_empty_alfworld_data_means_unset():
     """alfworld itself crashes at import on ALFWORLD_DATA="" (os.makedirs('')); the env treats it as unset. A fresh
     process, because alfworld reads the variable once, at its first import."""
