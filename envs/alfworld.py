@@ -295,6 +295,15 @@ def parse_action(text: str) -> str | None:
 _TEXTWORLD_LOCK = threading.RLock()
 
 
+# Whether the game being loaded will ever plan. textworld translates every game twice: the plain SAS it plays, and
+# an "optimized" one (pruned facts and operators) that only its planner (``PddlState.replan``) reads. An env that
+# requests no plan (no expert, no walkthrough, no policy_commands) sets this around its load and reset, and the
+# optimized call is answered with the plain translation: a valid SAS that is loaded and never searched. It halves the
+# cost of a game's first load (~0.7 -> ~0.35 s on 2 cores), which is what a run over the 1,098 train games pays per
+# episode. Only read while ``_TEXTWORLD_LOCK`` is held, so one flag serves every thread.
+_PLANS = [True]
+
+
 @lru_cache(maxsize=1)
 def _install_translation_memo() -> None:
     """Replace ``fast_downward.pddl2sas`` (process-wide, once) by a memoized version.
@@ -302,19 +311,20 @@ def _install_translation_memo() -> None:
     Why: the PDDL-to-SAS translation is ~90% of a reset and textworld runs it four times per new game (twice in
     ``load``, twice in ``reset``) on the same inputs; its result is only read afterwards, so reusing it is exact.
     It keeps the last 256 games (~1.2 MB each): a reset of one of them takes ~0.06 s instead of ~0.35 s, and the CPU
-    demo's 128 train and 90 eval games all stay.
+    demo's 128 train and 90 eval games all stay. For a game that will not plan (``_PLANS``) the optimized translation
+    is not run at all.
     Its callers here hold ``_TEXTWORLD_LOCK``; the memo takes it too for any other caller."""
     import fast_downward
 
     original = fast_downward.pddl2sas
 
-    @lru_cache(maxsize=512)  # two entries per game: load and reset translate slightly different problems
+    @lru_cache(maxsize=512)  # two entries per game when it plans (plain and optimized), one when it does not
     def _translate(domain: str, problem: str, verbose: bool, optimize: bool):
         return original(domain, problem, verbose=verbose, optimize=optimize)
 
     def pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
         with _TEXTWORLD_LOCK:
-            return _translate(domain, problem, verbose, optimize)
+            return _translate(domain, problem, verbose, optimize and _PLANS[0])
 
     fast_downward.pddl2sas = pddl2sas
 
@@ -505,11 +515,15 @@ class ALFWorldEnv(TextEnv):
         else:
             path = self.data_root / self.games[int(self.np_random.integers(len(self.games)))]
         env = self._textworld_env()
-        if path != self._loaded_game:
-            self._loaded_game = None
-            env.load(str(path))
-            self._loaded_game = path
-        self._state = env.reset()
+        _PLANS[0] = self.expert  # the walkthrough / replan of an expert read the optimized translation
+        try:
+            if path != self._loaded_game:
+                self._loaded_game = None
+                env.load(str(path))
+                self._loaded_game = path
+            self._state = env.reset()
+        finally:
+            _PLANS[0] = True
         with open(path.parent / TRAJ_FILE) as f:
             alfred_type = json.load(f)["task_type"]
         if alfred_type not in TASK_TYPES:

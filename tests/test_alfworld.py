@@ -470,3 +470,53 @@ print(json.dumps(out))
     walks = [json.loads(subprocess.run([sys.executable, str(script), mode], check=True, capture_output=True,
                                        text=True).stdout.splitlines()[-1]) for mode in ("on", "off")]
     assert len(walks[0]) > 10 and walks[0] == walks[1]
+
+
+
+def test_a_game_that_never_plans_is_translated_once(data_dir, tmp_path):
+    """textworld translates each game twice, the second time "optimized" for its planner only. An env that asks for
+    no plan skips that translation (half of a first load) and sees byte-identical observations to a process that runs
+    both; the expert still gets the optimized translation, and its plan still wins the game."""
+    import json
+    import sys
+
+    script = tmp_path / "walk.py"
+    script.write_text(f"""
+import json, random, sys
+import fast_downward
+calls, original = [], fast_downward.pddl2sas
+def counting(domain, problem, verbose=False, optimize=False):
+    calls.append(bool(optimize))
+    return original(domain, problem, verbose=verbose, optimize=optimize)
+fast_downward.pddl2sas = counting
+import agentenv.envs.alfworld as alf
+if sys.argv[1] == "plain":  # every load plans: textworld's own path
+    class Always(list):
+        def __setitem__(self, i, v):
+            pass
+    alf._PLANS = Always([True])
+env = alf.ALFWorldEnv("valid_unseen", {str(data_dir)!r}, max_turns=30)
+rng, out = random.Random(0), []
+for game in (0, 5, 0):
+    obs, info = env.reset(options={{"game": game}})
+    out.append(obs)
+    for _ in range(6):
+        obs, _, term, trunc, info = env.step("<action>" + rng.choice(info["admissible_commands"]) + "</action>")
+        out.append(obs)
+player_calls = list(calls)
+expert = alf.ALFWorldEnv("valid_unseen", {str(data_dir)!r}, max_turns=30, expert=True)
+obs, info = expert.reset(options={{"game": 5}})
+for _ in range(30):
+    obs, reward, term, trunc, info = expert.step("<action>" + info["expert_action"] + "</action>")
+    if term or trunc:
+        break
+print(json.dumps({{"out": out, "player_calls": player_calls, "expert_calls": calls[len(player_calls):],
+                  "expert_won": bool(info["success"])}}))
+""")
+    skip, plain = (json.loads(subprocess.run([sys.executable, str(script), mode], check=True, capture_output=True,
+                                             text=True).stdout.splitlines()[-1]) for mode in ("skip", "plain"))
+    assert skip["player_calls"] == [False, False]  # two games, one translation each (game 0's reload is memoized)
+    assert plain["player_calls"] == [False, True, False, True]
+    assert len(skip["out"]) == 21 and skip["out"] == plain["out"]
+    assert skip["expert_calls"] == [True] and skip["expert_won"]  # its game's plain translation was memoized
+    assert plain["expert_calls"] == [] and plain["expert_won"]  # both of them were
