@@ -299,8 +299,8 @@ _TEXTWORLD_LOCK = threading.RLock()
 # an "optimized" one (pruned facts and operators) that only its planner (``PddlState.replan``) reads. An env that
 # requests no plan (no expert, no walkthrough, no policy_commands) sets this around its load and reset, and the
 # optimized call is answered with the plain translation: a valid SAS that is loaded and never searched. It halves the
-# cost of a game's first load (~0.7 -> ~0.35 s on 2 cores), which is what a run over the 1,098 train games pays per
-# episode. Only read while ``_TEXTWORLD_LOCK`` is held, so one flag serves every thread.
+# cost of a game's first load, which a run over the 1,098 train games pays on most episodes. Only read and written
+# while ``_TEXTWORLD_LOCK`` is held, so one flag serves every thread.
 _PLANS = [True]
 
 
