@@ -310,9 +310,9 @@ def _install_translation_memo() -> None:
 
     Why: the PDDL-to-SAS translation is ~90% of a reset and textworld runs it four times per new game (twice in
     ``load``, twice in ``reset``) on the same inputs; its result is only read afterwards, so reusing it is exact.
-    It keeps the last 256 games (~1.2 MB each): a reset of one of them takes ~0.06 s instead of ~0.35 s, and the CPU
-    demo's 128 train and 90 eval games all stay. For a game that will not plan (``_PLANS``) the optimized translation
-    is not run at all.
+    It keeps the last 512 translations (~1.2 MB each; one per game that will not plan, see ``_PLANS``, two per game
+    that will): a reset of a kept game takes ~0.06 s instead of ~0.35 s, and the CPU demo's 128 train and 90 eval
+    games all stay.
     Its callers here hold ``_TEXTWORLD_LOCK``; the memo takes it too for any other caller."""
     import fast_downward
 
