@@ -491,7 +491,10 @@ def counting(domain, problem, verbose=False, optimize=False):
 fast_downward.pddl2sas = counting
 import agentenv.envs.alfworld as alf
 if sys.argv[1] == "plain":  # every load plans: textworld's own path
-    alf._PLANS = type("WritesIgnored", (list,), {{"__setitem__": lambda self, i, v: None}})([True])
+    class WritesIgnored(list):
+        def __setitem__(self, i, v):
+            return None  # the env's "this load will not plan" is dropped: the flag stays True
+    alf._PLANS = WritesIgnored([True])
 env = alf.ALFWorldEnv("valid_unseen", {str(data_dir)!r}, max_turns=30)
 rng, out = random.Random(0), []
 for game in (0, 5, 0):
