@@ -3,7 +3,8 @@ and end): curves over updates as sparklines, the evaluation before and after RL 
 a 95% confidence interval over the eval episodes, the change with its own interval, and success per task type when
 the env has task types -- the wall time, and ``RUN/demo_result.json``. It drives :func:`agentenv.train.run`; the
 only numbers it computes itself are the intervals (:func:`wilson_interval`, :func:`difference_interval`,
-:func:`paired_difference_interval`).
+:func:`paired_difference_interval`; and, for several runs from one warm start, :func:`pool_task_successes`
+and :func:`runs_and_tasks_interval`).
 
 Each success rate's interval (Wilson) treats eval episodes as independent draws. With ``eval.samples > 1`` several
 episodes share a task, so read it as "over episodes of these tasks". The change is measured on the same tasks before
@@ -72,6 +73,53 @@ def paired_difference_interval(before: dict, after: dict, *, level: float = 0.95
     means = d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(axis=1)
     alpha = (1 - level) / 2
     lo, hi = np.quantile(means, [alpha, 1 - alpha])
+    return float(lo), float(hi), len(keys)
+
+
+def pool_task_successes(evaluations: list[dict]) -> dict[str, list[int]]:
+    """Per task, ``[successes, episodes]`` summed over several evaluations of one split (their ``task_successes``):
+    the counts of one procedure played more times -- a warm start evaluated twice, or N RL runs from it."""
+    if not evaluations:
+        raise ValueError("nothing to pool: no evaluations given")
+    pooled: dict[str, list[int]] = {}
+    for ev in evaluations:
+        if not ev.get("task_successes"):
+            raise ValueError(f"evaluation of {ev.get('split', '?')} at update {ev.get('update', '?')} has no per-task "
+                             "counts (task_successes); it cannot be pooled by task")
+        for k, (s, n) in ev["task_successes"].items():
+            acc = pooled.setdefault(str(k), [0, 0])
+            acc[0] += int(s)
+            acc[1] += int(n)
+    return pooled
+
+
+def runs_and_tasks_interval(before: dict, afters: list[dict], *, level: float = 0.95, resamples: int = 10_000,
+                            seed: int = 0) -> tuple[float, float, int]:
+    """Interval for the pooled per-task change of several RL runs against one (pooled) warm start, resampling RUNS and
+    then tasks.
+
+    :func:`paired_difference_interval` on pooled counts treats every run as more plays of one policy, which hides how
+    far runs differ from each other (one lucky run then looks like evidence). Here each bootstrap replicate draws the
+    runs with replacement, pools their counts per task, draws the tasks with replacement and takes the mean over them
+    of (pooled after rate - before rate): both the run-to-run spread and the task-to-task spread widen it. With one run
+    it is :func:`paired_difference_interval`. Returns (low, high, number of paired tasks)."""
+    if not afters:
+        raise ValueError("a pooled interval needs at least one RL run's evaluation")
+    keys = sorted(set(before).intersection(*afters), key=str)
+    if len(keys) < 2:
+        raise ValueError(f"a paired interval needs at least two tasks played before and by every run, got {len(keys)}")
+    b = np.array([before[k][0] / before[k][1] for k in keys])
+    s = np.array([[a[k][0] for k in keys] for a in afters], dtype=float)  # runs x tasks
+    n = np.array([[a[k][1] for k in keys] for a in afters], dtype=float)
+    if (n < 1).any() or (s < 0).any() or (s > n).any() or any(before[k][1] < 1 for k in keys):
+        raise ValueError("counts must be [successes, episodes] with 0 <= successes <= episodes >= 1")
+    rng = np.random.default_rng(seed)
+    runs = rng.integers(0, len(afters), size=(resamples, len(afters)))
+    tasks = rng.integers(0, len(keys), size=(resamples, len(keys)))
+    rate = s[runs].sum(axis=1) / n[runs].sum(axis=1)  # replicate x task: the drawn runs pooled
+    d = np.take_along_axis(rate, tasks, axis=1) - b[tasks]
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(d.mean(axis=1), [alpha, 1 - alpha])
     return float(lo), float(hi), len(keys)
 
 

@@ -1,6 +1,7 @@
 """Learning in miniature: the ALFWorld demo's code path on the shipped sample (2 updates), its pieces (noisy expert,
 expert demos in the runtime's token format, the ALFWorld-aware tiny vocabulary), the report's confidence intervals,
-and a 2-update smoke of every ablation variant of ``benchmarks/ablations.py`` (real model, learner, sandbox, games)."""
+the pooling of several RL runs from one warm start (``benchmarks/alfworld_pooled.py``), and a 2-update smoke of
+every ablation variant of ``benchmarks/ablations.py`` (real model, learner, sandbox, games)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentenv.report import before_after_table, difference_interval, paired_difference_interval, wilson_interval
+from agentenv.report import (before_after_table, difference_interval, paired_difference_interval,
+                             pool_task_successes, runs_and_tasks_interval, wilson_interval)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -330,6 +332,84 @@ def test_alfworld_demo_two_updates_on_the_shipped_games(tmp_path, monkeypatch):
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in recs if "event" not in r] == [1, 2]
     assert (run / "sft_model" / "config.json").exists() and (run / "curves.png").exists()
+
+
+# ------------------------------------------------------------------------------------ pooling RL runs (one warm start)
+def test_pooled_counts_are_per_task_sums_and_bad_evaluations_are_refused():
+    evs = [{"split": "s", "task_successes": {"0": [1, 4], "1": [0, 4]}},
+           {"split": "s", "task_successes": {"0": [3, 8], "2": [8, 8]}}]
+    assert pool_task_successes(evs) == {"0": [4, 12], "1": [0, 4], "2": [8, 8]}
+    with pytest.raises(ValueError, match="nothing to pool"):
+        pool_task_successes([])
+    with pytest.raises(ValueError, match="no per-task counts"):
+        pool_task_successes([{"split": "s", "update": 0, "successes": 1, "episodes": 4}])
+    with pytest.raises(ValueError, match="at least one RL run"):
+        runs_and_tasks_interval({"0": [1, 4], "1": [0, 4]}, [])
+    with pytest.raises(ValueError, match="successes"):
+        runs_and_tasks_interval({"0": [1, 4], "1": [0, 4]}, [{"0": [5, 4], "1": [0, 4]}])
+
+
+@given(tasks=st.integers(2, 30), samples=st.integers(1, 8), data=st.data())
+@settings(max_examples=50, deadline=None)
+def test_runs_and_tasks_interval_of_one_run_is_the_paired_interval(tasks, samples, data):
+    counts = st.lists(st.integers(0, samples), min_size=tasks, max_size=tasks)
+    b, a = data.draw(counts), data.draw(counts)
+    before = {str(j): [b[j], samples] for j in range(tasks)}
+    after = {str(j): [a[j], samples] for j in range(tasks)}
+    lo, hi, n = runs_and_tasks_interval(before, [after], resamples=2000, seed=3)
+    assert (lo, hi, n) == pytest.approx(paired_difference_interval(before, after, resamples=2000, seed=3))
+    assert runs_and_tasks_interval(before, [before, before])[:2] == (0.0, 0.0)  # no run changed anything
+
+
+def test_one_lucky_run_does_not_make_the_pool_significant_when_runs_are_resampled():
+    """Three runs that changed nothing and one that gained +0.3 on every game: pooled as one policy the gain looks
+    certain; resampling the runs as well says it may be luck."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    p = rng.beta(0.4, 1.2, size=42)
+    before = {str(j): [int(rng.binomial(16, p[j])), 16] for j in range(42)}
+    afters = [{str(j): [int(rng.binomial(8, p[j])), 8] for j in range(42)} for _ in range(3)]
+    afters.append({str(j): [int(rng.binomial(8, min(1.0, p[j] + 0.3))), 8] for j in range(42)})
+    lo1, _, _ = paired_difference_interval(before, pool_task_successes([{"task_successes": a} for a in afters]))
+    lo2, hi2, _ = runs_and_tasks_interval(before, afters)
+    assert lo1 > 0 and lo2 < 0 < hi2
+
+
+def test_runs_and_tasks_interval_covers_zero_when_nothing_changed():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    covered, trials = 0, 200
+    for t in range(trials):
+        p = rng.beta(0.4, 1.2, size=42)
+        before = {str(j): [int(rng.binomial(8, p[j])), 8] for j in range(42)}
+        afters = [{str(j): [int(rng.binomial(4, p[j])), 4] for j in range(42)} for _ in range(3)]
+        lo, hi, _ = runs_and_tasks_interval(before, afters, resamples=2000, seed=t)
+        covered += lo <= 0 <= hi
+    assert 0.90 <= covered / trials <= 1.0
+
+
+def test_pooled_benchmark_smoke_on_the_shipped_games(tmp_path, monkeypatch):
+    """benchmarks/alfworld_pooled.py end to end: warm start evaluated once, two RL runs from it, the pooled report;
+    a second invocation reuses every finished evaluation instead of running again."""
+    monkeypatch.delenv("ALFWORLD_DATA", raising=False)
+    spec = importlib.util.spec_from_file_location("alfworld_pooled", REPO / "benchmarks" / "alfworld_pooled.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "study"
+    assert mod.main(["run", "--smoke", "--out", str(out)]) == 0
+    res = json.loads((out / "pooled.json").read_text())
+    runs = [mod.read_evals(out / f"rl_seed{i}", "valid_unseen", 1) for i in range(2)]
+    seeds = [yaml.safe_load((out / f"rl_seed{i}" / "config.yaml").read_text())["loop"]["seed"] for i in range(2)]
+    assert seeds == [0, 1] and len(res["runs"]) == 2 and all(len(r["policy_versions"]) == 1 for r in runs)
+    assert res["after"]["episodes"] == 4 and res["after"]["successes"] == sum(r["successes"] for r in runs)
+    assert res["before"]["episodes"] == 2 and res["tasks"] == 2
+    lo, hi = res["interval_runs_and_tasks"]
+    assert lo <= res["change"] <= hi and "runs, then games" in (out / "pooled.md").read_text()
+    stamp = (out / "rl_seed0" / "eval.jsonl").stat().st_mtime
+    assert mod.main(["run", "--smoke", "--out", str(out)]) == 0  # nothing to run again
+    assert (out / "rl_seed0" / "eval.jsonl").stat().st_mtime == stamp
 
 
 # ------------------------------------------------------------------------------------------------------ ablations
