@@ -29,9 +29,11 @@ Contract
   the policy then chooses among the listed commands rather than spelling one out. Game, reward and limits are the
   same; ``info["numbered_actions"]`` says which format is in force.
 * ``nearest_match=True`` plays a tagged command that is not admissible as the admissible one closest to it in spelling
-  (:func:`nearest_command`; :data:`NEAREST_SYSTEM_PROMPT_TEMPLATE`), and the observation starts with
+  among those with the same verb and object -- numbers and places may differ, the object acted on may not
+  (:func:`nearest_command`; :data:`NEAREST_SYSTEM_PROMPT_TEMPLATE`) -- and the observation starts with
   ``(Read as "COMMAND".)``; ``info["approximate_action"]`` marks that step and ``info["approximate_actions"]`` counts
-  them. Only a reply without a tag is then invalid. Exclusive with ``numbered_actions``.
+  them. A command on an object that no admissible command names (``take book 1 ...`` with no book at hand), or a
+  reply without a tag, is invalid. Exclusive with ``numbered_actions``.
 * ``restate_goal=True`` repeats the opening's ``Your task is to: ...`` line in every later observation, just before
   the admissible list, so the goal's object and receptacle sit next to the commands that name them. The game is the
   same; only the text grows (~12 tokens a turn).
@@ -246,16 +248,19 @@ def list_games(split: str, data_dir: str | os.PathLike | None = None, task_types
 
 
 # nearest_match=True: a command that is not admissible is read as the admissible command closest to it in spelling
-# (difflib's ratio), as LLM planners map free text onto a game's actions (e.g. Huang et al. 2022). The agent is
-# told which command was played. Only a reply without a tag stays invalid. The CPU demo uses it (its tiny model often
-# gets a receptacle's number wrong): docs/alfworld_demo.md, "Third pass" and "Fourth pass".
+# (difflib's ratio), as LLM planners map free text onto a game's actions (e.g. Huang et al. 2022), but only among the
+# commands that do the same thing to the same object: read by spelling alone, "take book 1 from drawer 2" at a drawer
+# holding a watch became "take watch 1 from drawer 2", and 61% of the CPU demo's RL episodes were lost that way to an
+# object the agent never named (docs/alfworld_demo.md, "Tenth pass"). The agent is told which command was played. The
+# CPU demo uses it (its tiny model often gets a receptacle's number wrong): "Third pass" and "Fourth pass".
 NEAREST_SYSTEM_PROMPT_TEMPLATE = """\
 You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the list of \
 admissible actions. Reply with exactly one of those actions, copied from the list, inside an action tag, for example:
 <action>go to desk 1</action>
 You may reason before the tag; only the last <action>...</action> in your reply is used. Case and extra spaces do \
-not matter. An action that is not in the list is read as the listed action closest to it in spelling, and you are \
-told which one was played. A reply without the tag is invalid: nothing happens, it costs a turn, and {budget}. You \
+not matter. An action that is not in the list is read as the listed action closest to it in spelling that does \
+the same to the same object, and you are told which one was played; an action on an object that no listed action \
+names is invalid. A reply without the tag is invalid: nothing happens, it costs a turn, and {budget}. You \
 have {max_turns} turns. The episode ends as soon as the task is done."""
 
 
@@ -266,7 +271,8 @@ You are an agent in a household (ALFWorld). Reply with one action in a tag, e.g.
 may think first, the last tag counts. You can go to any receptacle in the room, look and inventory; each message \
 lists the other admissible actions. {matching} A reply without a tag is invalid and costs a turn; {budget}. You have \
 {max_turns} turns."""
-COMPACT_MATCHING = {True: "An action that is not admissible is read as the closest admissible one, and you are told.",
+COMPACT_MATCHING = {True: "An action that is not admissible is read as the closest admissible one on the same object, "
+                          "and you are told; with no such one it is invalid.",
                     False: "An action that is not admissible is invalid and costs a turn."}
 
 
@@ -375,10 +381,23 @@ def _format_commands(commands: list[str], numbered: bool = False, compact: bool 
     return "Admissible actions:\n" + "\n".join(lines)
 
 
+def _verb_and_object(command: str) -> tuple[str, str]:
+    """``("take", "book")`` for "take book 1 from desk 2", ``("go to", "desk")`` for "go to desk 1": what a command
+    does and to what, without the numbers and places that :func:`nearest_command` may approximate."""
+    words = command.split()
+    if words[:2] == ["go", "to"]:
+        return "go to", words[2] if len(words) > 2 else ""
+    return (words[0] if words else ""), (words[1] if len(words) > 1 else "")
+
+
 def nearest_command(command: str, commands: list[str]) -> str | None:
-    """The admissible command closest to ``command`` in spelling (difflib ratio; the first listed wins a tie).
+    """The admissible command closest to ``command`` in spelling (difflib ratio; the first listed wins a tie) among
+    those with the same verb and the same object: "take book 3 from shelf 1" may be read as "take book 1 from
+    desk 2", never as "take watch 1 from shelf 1". Taking, moving or using another object than the one named cannot be
+    undone within a short episode, so a command whose object is not at hand has no nearest one (``None``: invalid).
     ``help`` is never chosen: it changes nothing."""
-    candidates = [c for c in commands if c != "help"]
+    verb_object = _verb_and_object(command.lower())
+    candidates = [c for c in commands if c != "help" and _verb_and_object(c.lower()) == verb_object]
     if not candidates:
         return None
     ratio = lambda c: difflib.SequenceMatcher(None, command, c, autojunk=False).ratio()  # noqa: E731
@@ -399,8 +418,12 @@ def resolve_command(reply: str, commands: list[str], numbered: bool, nearest: bo
             return commands[i - 1], None
         return None, f"Invalid action: {i} is not the number of an admissible action (1-{len(commands)}). Nothing happens."
     if command not in commands:
-        if nearest and (near := nearest_command(command, commands)) is not None:
-            return near, None
+        if nearest:
+            if (near := nearest_command(command, commands)) is not None:
+                return near, None
+            verb, obj = _verb_and_object(command)
+            return None, (f'Invalid action: "{command}" is not one of the admissible actions, and none of them is '
+                          f'"{verb} {obj} ...". Nothing happens.')
         return None, f'Invalid action: "{command}" is not one of the admissible actions. Nothing happens.'
     return command, None
 

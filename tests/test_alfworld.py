@@ -373,7 +373,7 @@ def test_nearest_match_plays_the_closest_admissible_command_and_says_so(data_dir
 
     env = ALFWorldEnv("valid_unseen", data_dir, nearest_match=True, invalid_action_budget=2)
     obs, info = env.reset(options={"game": PICK_PLACE})
-    assert "read as the listed action closest to it in spelling" in info["system"]
+    assert "read as the listed action closest to it in spelling that does the same to the same object" in info["system"]
     assert info["approximate_actions"] == 0
     # "desk 3" does not exist in this room; the closest listed command is a real one, and the agent is told which.
     obs, _, _, _, info = env.step("<action>go to desk 3</action>")
@@ -385,10 +385,19 @@ def test_nearest_match_plays_the_closest_admissible_command_and_says_so(data_dir
     assert obs.startswith(f"You arrive at {exact[len('go to '):]}") and not info["approximate_action"]
     _, _, term, _, info = env.step("I am lost")
     assert info["invalid_action"] and not term and info["invalid_actions"] == 1
+    # Taking an object that is not at hand is invalid (and spends the budget), not a take of whatever is there.
+    obs, _, term, _, info = env.step("<action>take spatula 1 from desk 1</action>")
+    assert info["invalid_action"] and not info["approximate_action"] and term and info["invalid_actions"] == 2
+    assert 'none of them is "take spatula ..."' in obs
     env.close()
     commands = ["help", "take alarmclock 2 from shelf 1", "take creditcard 3 from shelf 1", "go to shelf 2"]
     assert nearest_command("take alarmclock 4 from sidetable 1", commands) == "take alarmclock 2 from shelf 1"
     assert nearest_command("help me", ["help"]) is None  # help is never chosen: it changes nothing
+    # The object acted on is never swapped: a take of an object that is not at hand has no nearest command, though a
+    # take of the creditcard here is closer to it in spelling than anything else.
+    assert nearest_command("take creditcard 3 from shelf 2", commands) == "take creditcard 3 from shelf 1"
+    assert nearest_command("take cellphone 3 from shelf 1", commands) is None
+    assert nearest_command("go to desk 1", commands) is None and nearest_command("go to shelf 1", commands) == "go to shelf 2"
     with pytest.raises(ValueError, match="exclusive"):
         ALFWorldEnv("valid_unseen", data_dir, nearest_match=True, numbered_actions=True)
 
