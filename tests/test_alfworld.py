@@ -529,3 +529,39 @@ print(json.dumps({{"out": out, "player_calls": player_calls, "expert_calls": cal
     assert len(skip["out"]) == 21 and skip["out"] == plain["out"]
     assert skip["expert_calls"] == [True] and skip["expert_won"]  # its game's plain translation was memoized
     assert plain["expert_calls"] == [] and plain["expert_won"]  # both of them were
+
+
+def test_failure_modes_sort_real_episodes_by_what_happened_to_the_goal_object(data_dir):
+    """scripts/alfworld_failure_modes.py on episodes played in a real game: one that picks up another object, one that
+    picks up the goal's object and stops, and (old spelling-only matching, as its transcript reads) a swapped take."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("failure_modes", REPO / "scripts" / "alfworld_failure_modes.py")
+    fm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fm)
+    env = ALFWorldEnv("valid_unseen", data_dir, nearest_match=True, max_turns=30, invalid_action_budget=30)
+    try:
+        def play(want_goal: bool) -> list[dict]:
+            obs, info = env.reset(options={"game": PICK_PLACE})  # "put some mug on desk"
+            msgs = [{"role": "user", "content": obs}]
+            for c in [c for c in info["admissible_commands"] if c.startswith("go to ")]:
+                obs, _, _, _, info = env.step(f"<action>{c}</action>")
+                msgs += [{"role": "assistant", "content": f"<action>{c}</action>"}, {"role": "user", "content": obs}]
+                takes = [t for t in info["admissible_commands"] if t.startswith("take ")
+                         and (t.split()[1] == "mug") == want_goal]
+                if takes:
+                    obs, _, _, _, info = env.step(f"<action>{takes[0]}</action>")
+                    return msgs + [{"role": "assistant", "content": f"<action>{takes[0]}</action>"},
+                                   {"role": "user", "content": obs}]
+            raise AssertionError("no receptacle offered the take this test needs")
+
+        other, goal = play(False), play(True)
+    finally:
+        env.close()
+    assert fm.failure_mode(other, False) == ("took another object first", False)
+    assert fm.failure_mode(goal, False) == ("took it, did not finish", False)
+    assert fm.failure_mode(goal, True) == ("won", False)
+    assert fm.failure_mode(other[:1], False)[0] in ("never saw it", "saw it, never took it")
+    swapped = other[:-2] + [{"role": "assistant", "content": "<action>take mug 1 from desk 1</action>"},
+                            {"role": "user", "content": '(Read as "x".) ' + other[-1]["content"]}]
+    assert fm.failure_mode(swapped, False) == ("took another object first", True)
