@@ -136,7 +136,7 @@ def study(args) -> int:
         wall["warm_start_eval_s"] = _run([*common, f"eval.samples={args.baseline_samples}", f"run.dir={base_dir}"],
                                          eval_only=True)
     afters = []
-    for i in range(args.runs):
+    for i in range(args.first_seed, args.first_seed + args.runs):
         rd = out / f"rl_seed{i}"
         try:
             afters.append(read_evals(rd, args.split, args.updates))
@@ -147,13 +147,13 @@ def study(args) -> int:
             import shutil
 
             shutil.rmtree(rd)
-        print(f"[pooled] RL run {i + 1}/{args.runs}: loop.seed={i}, {args.updates} updates", flush=True)
+        print(f"[pooled] RL run {i - args.first_seed + 1}/{args.runs}: loop.seed={i}, {args.updates} updates", flush=True)
         wall[f"rl_seed{i}_s"] = _run([*common, f"loop.seed={i}", f"loop.total_updates={args.updates}",
                                       f"eval.samples={args.samples}", "eval.at_end=true", f"run.dir={rd}"])
         afters.append(read_evals(rd, args.split, args.updates))
     res = pool([read_evals(base_dir, args.split, 0)], afters)
     print("\n".join(table(res)))
-    settings = {"warm_start": args.warm_start, "runs": args.runs, "updates": args.updates, "samples": args.samples,
+    settings = {"warm_start": args.warm_start, "runs": args.runs, "first_seed": args.first_seed, "updates": args.updates, "samples": args.samples,
                 "baseline_samples": args.baseline_samples, "set": " ".join(args.set),
                 **{k: round(v, 1) for k, v in wall.items()}}
     write_report(out, res, settings)
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="evaluate a warm start, run N RL runs from it, pool")
     r.add_argument("--warm-start", help="model directory (a run's sft_model) or built-in name")
     r.add_argument("--runs", type=int, default=3)
+    r.add_argument("--first-seed", type=int, default=0,
+                   help="loop.seed of the first run (the next runs count up): 1 to add runs beside a demo run's seed 0")
     r.add_argument("--updates", type=int, default=48)
     r.add_argument("--samples", type=int, default=4, help="plays per game in each run's final evaluation")
     r.add_argument("--baseline-samples", type=int, default=8, help="plays per game of the warm start's evaluation")
