@@ -153,8 +153,8 @@ def study(args) -> int:
         afters.append(read_evals(rd, args.split, args.updates))
     res = pool([read_evals(base_dir, args.split, 0)], afters)
     print("\n".join(table(res)))
-    settings = {"warm_start": args.warm_start, "runs": args.runs, "first_seed": args.first_seed, "updates": args.updates, "samples": args.samples,
-                "baseline_samples": args.baseline_samples, "set": " ".join(args.set),
+    settings = {"warm_start": args.warm_start, "runs": args.runs, "first_seed": args.first_seed,
+                "updates": args.updates, "samples": args.samples, "baseline_samples": args.baseline_samples, "set": " ".join(args.set),
                 **{k: round(v, 1) for k, v in wall.items()}}
     write_report(out, res, settings)
     print(f"[pooled] report: {out / 'pooled.md'}")
