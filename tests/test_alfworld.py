@@ -468,10 +468,12 @@ if sys.argv[1] == "off":
 envs = [alf.ALFWorldEnv("valid_unseen", {str(data_dir)!r}, max_turns=30) for _ in range(2)]
 rng, out = random.Random(0), []
 games = list(range(0, len(envs[0].task_options()), 17))  # 8 games across the task types
-# two envs play each game at once, then swap games: what one game's load shares must not leak into another's play
+# the two envs play neighbouring games side by side, so each game is played by both envs in turn: what one game's
+# load shares must not leak into another game's play, nor into the other env's
 for a, b in zip(games, games[1:] + games[:1]):
-    infos = [env.reset(options={{"game": g}})[1] for env, g in zip(envs, (a, b))]
-    out += [info["admissible_commands"] for info in infos]
+    resets = [env.reset(options={{"game": g}}) for env, g in zip(envs, (a, b))]
+    out += [obs for obs, _ in resets]
+    infos = [info for _, info in resets]
     for _ in range(8):
         for i, env in enumerate(envs):
             obs, _, term, trunc, infos[i] = env.step("<action>" + rng.choice(infos[i]["admissible_commands"]) + "</action>")
