@@ -161,3 +161,31 @@ def test_prefix_cache_runs_only_the_new_tokens_and_never_outlives_the_weights(ch
     assert on.prefix_cache.misses == 3  # recomputed under the new weights
     ref = reference_logprobs(on.model, prompts[0] + g.token_ids, 1.0, 1.0, 0)[len(prompts[0]) - 1:]
     assert max(abs(x - y) for x, y in zip(ref, g.logprobs)) <= 1e-4
+
+
+def test_fast_decode_draws_what_the_plain_transformers_path_draws(chatty_policy):
+    """The grouped-query decode attention and the preallocated cache are exact: with the same seed, a policy with
+    them and one on transformers' own sdpa + concatenated cache draw the same tokens with the same log-probs (to
+    float rounding) over multi-turn, mixed-length batches that hit the prefix cache, at two sampling settings."""
+    import copy
+
+    from agentenv.hf_policy import GQA_DECODE, HFPolicy
+
+    tok = chatty_policy.tokenizer
+    fast = HFPolicy(copy.deepcopy(chatty_policy.model), tok, seed=11)
+    plain = HFPolicy(copy.deepcopy(chatty_policy.model), tok, seed=11, fast_decode=False)
+    assert fast.model.config._attn_implementation == GQA_DECODE and fast._cache_layers == 2
+    assert plain.model.config._attn_implementation == "sdpa" and plain._cache_layers == 0
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ("go", "a much longer first prompt than that",
+                                                                       "a middling one")]
+    worst = 0.0
+    for turn in range(4):
+        sp = SamplingParams(temperature=1.0 if turn % 2 else 0.8, top_p=1.0 if turn % 2 else 0.9, max_new_tokens=12)
+        got = [p.generate([GenerationRequest(q, sp) for q in prompts]) for p in (fast, plain)]
+        for a, b in zip(*got):
+            assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
+            worst = max([worst] + [abs(x - y) for x, y in zip(a.logprobs, b.logprobs)])
+        prompts = [q + g.token_ids + tok(f" obs {turn}" * (i + 1), add_special_tokens=False)["input_ids"]
+                   for i, (q, g) in enumerate(zip(prompts, got[0]))]
+    assert worst <= 1e-5
+    assert fast.prefix_cache.hits == plain.prefix_cache.hits == 9
