@@ -12,6 +12,10 @@ A policy turns token-id prompts into sampled continuations. Contract for every b
 * ``Generation.entropies`` (only when ``request.return_entropy``) is the entropy of that same processed distribution
   at each sampled position.
 * ``policy_version`` is the version of the weights that produced every token of this generation.
+* ``GenerationRequest.seed`` (optional) fixes the request's random draws: the same seed, prompt and distribution give
+  the same tokens whatever else is batched with it. Evaluation seeds each (task, play, turn), so the evaluations
+  before and after training draw with common random numbers, which narrows their paired difference; training
+  requests carry no seed (the sampler's own stream: a prompt issued again is a fresh draw).
 
 * ``backend`` (optional class attribute) names the sampler: ``"hf"`` (:class:`agentenv.hf_policy.HFPolicy`),
   ``"vllm"``; the runtime records it in every trajectory's ``sampling["backend"]`` (``"text"`` for a
@@ -57,6 +61,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
     return_entropy: bool = False
+    seed: int | None = None  # see the module docstring
 
 
 @dataclass

@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -65,14 +66,22 @@ class RolloutConfig:
 
 @dataclass
 class Task:
-    """What one episode runs: a seed and optional reset options (e.g. a specific game or question)."""
+    """What one episode runs: a seed and optional reset options (e.g. a specific game or question).
+    ``sampling_seed``: seeds the policy's draws too (turn ``t`` asks with seed ``sampling_seed``, ``t`` mixed), so
+    two policies playing the same task draw with common random numbers (evaluation sets it; training does not)."""
 
     seed: int | None = None
     options: dict | None = None
     meta: dict = field(default_factory=dict)
+    sampling_seed: int | None = None
 
 
 GenerateFn = Callable[[GenerationRequest], Generation]
+
+
+def turn_seed(sampling_seed: int, turn: int) -> int:
+    """The request seed of turn ``turn`` of an episode seeded ``sampling_seed`` (a 63-bit mix of the two)."""
+    return int.from_bytes(hashlib.blake2b(f"{sampling_seed}:{turn}".encode(), digest_size=8).digest()) >> 1
 
 
 def _env_name(env: gym.Env) -> str:
@@ -88,6 +97,8 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
     backend = getattr(policy, "backend", None) or ("text" if text_policy else "unknown")
     traj = Trajectory(env=_env_name(env), model=getattr(policy, "name", ""), model_path=getattr(policy, "model_path", None),
                       sampling={**cfg.sampling.to_dict(), "backend": backend}, id=uuid.uuid4().hex, meta=dict(task.meta))
+    if task.sampling_seed is not None:
+        traj.meta["sampling_seed"] = task.sampling_seed
     try:
         t0 = time.perf_counter()
         obs, info = env.reset(seed=task.seed, options=task.options)
@@ -137,7 +148,8 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
                     break
                 budget = min(limits.values())
                 sp = cfg.sampling if budget == cfg.sampling.max_new_tokens else _with_budget(cfg.sampling, budget)
-                gen = generate_fn(GenerationRequest(list(seq.token_ids), sp, cfg.return_entropy))
+                seed = None if task.sampling_seed is None else turn_seed(task.sampling_seed, traj.num_turns)
+                gen = generate_fn(GenerationRequest(list(seq.token_ids), sp, cfg.return_entropy, seed))
                 if len(gen.token_ids) > budget:
                     raise RuntimeError(f"sampler returned {len(gen.token_ids)} tokens, over the budget of {budget}")
                 action = seq.add_sampled(gen)

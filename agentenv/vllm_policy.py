@@ -19,7 +19,8 @@
   vocabulary-sized copy per sampled token, so only requests that ask pay for it.
 * Randomness: every request gets its own vLLM seed drawn from a policy-owned ``random.Random(seed)``, so a fresh
   policy fed the same sequence of calls reproduces its draws (an in-process engine would otherwise draw from the
-  process-global torch RNG, which anything else in the process moves), and requests in one batch still differ.
+  process-global torch RNG, which anything else in the process moves), and requests in one batch still differ. A
+  request with its own ``seed`` (evaluation) is given that seed.
 * Weights: :meth:`load_weights` pushes a (possibly partial) HF-named state dict through vLLM's in-place reload path
   (the worker's ``reload_weights``, called through ``collective_rpc``; on CPU followed by a re-pack of the GEMM
   handles vLLM 0.32 leaves stale, see :func:`_reload_on_worker`), drops the prefix cache (its KV blocks were computed
@@ -305,7 +306,7 @@ class VLLMPolicy:
             max_tokens=s.max_new_tokens, stop_token_ids=sorted(self.stop_token_ids), ignore_eos=False,
             logprobs=-1 if r.return_entropy else 0, flat_logprobs=True,
             detokenize=False, skip_special_tokens=False,
-            seed=self._rng.getrandbits(63),
+            seed=self._rng.getrandbits(63) if r.seed is None else r.seed,  # a request's own seed is kept
         )
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
