@@ -2,8 +2,8 @@
 
 :class:`HFPolicy` samples with its own small decoding loop over a KV cache instead of ``model.generate``: at each step
 it computes the processed distribution once (:func:`agentenv.processing.processed_logprobs`: temperature, top-k, top-p),
-draws from it (a request with a ``seed`` by inverse transform from its own seeded stream of uniforms, so its
-tokens do not depend on its batch), and stores the drawn token's log-probability under that very distribution. No library sampling
+draws from it by inverse transform (uniforms from the policy's generator, or for a request with a ``seed`` from its
+own seeded stream, so its tokens do not depend on its batch), and stores the drawn token's log-probability under that very distribution. No library sampling
 default (``generate``'s implicit top_k=50, a model's generation_config) can change what was drawn without being
 recorded. Requests in one ``generate`` call are batched (left padding, explicit position ids); requests with
 different sampling settings are run as separate groups.
@@ -211,10 +211,7 @@ class HFPolicy:
                              past_key_values=past, use_cache=True, logits_to_keep=1)
             past = res.past_key_values
             logp = processed_logprobs(res.logits[:, -1, :], sp.temperature, sp.top_p, sp.top_k)
-            if any(streams):
-                nxt = _inverse_cdf_draw(logp.exp(), [g.random() if g else None for g in streams], self.generator)
-            else:
-                nxt = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
+            nxt = _inverse_cdf_draw(logp.exp(), [g.random() if g else None for g in streams], self.generator)
             chosen = logp.gather(-1, nxt[:, None]).squeeze(-1)
             if want_entropy:
                 p = logp.exp()
@@ -371,12 +368,16 @@ def _batched_cache(kvs: list, cached: list[int], C: int, dev, layers: int = 0, c
 def _inverse_cdf_draw(probs: torch.Tensor, uniforms: list[float | None], generator: torch.Generator) -> torch.Tensor:
     """One token per row by inverse transform sampling: the first id whose cumulative probability exceeds the row's
     uniform, given (a seeded request's own stream) or drawn from ``generator``. The uniform is scaled by the row's
-    total mass, so rounding never points past the last id with mass, and an id with zero mass is never drawn."""
+    total mass, so rounding never points past the last id with mass, and an id with zero mass is never drawn. (Also
+    the cheaper draw: ``torch.multinomial`` takes ~0.5 ms for 8 rows of a 3k vocabulary on a CPU, this ~0.06 ms.)"""
     u = torch.rand(len(uniforms), generator=generator, device=probs.device).double()
     given = [i for i, x in enumerate(uniforms) if x is not None]
     u[given] = torch.tensor([uniforms[i] for i in given], dtype=torch.float64, device=probs.device)
     cdf = probs.double().cumsum(-1)
-    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    total = cdf[:, -1]
+    if not bool(torch.isfinite(total).all() and (total > 0).all()):
+        raise ValueError("the sampling distribution is not finite or has no mass (non-finite logits from the model?)")
+    return torch.searchsorted(cdf, (u * total)[:, None], right=True).squeeze(-1)
 
 
 def _ids(x) -> set[int]:

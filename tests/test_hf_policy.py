@@ -246,3 +246,18 @@ def test_seeded_episodes_replay_whatever_the_concurrency(chatty_policy):
     one, three = play(1), play(3)
     assert sorted(one) == list(range(100, 105)) and one == three
     assert len({tuple(v) for v in one.values()}) == 5  # same game (seed i % 2), other draws
+
+
+def test_non_finite_logits_are_a_clear_error(chatty_policy):
+    """A model whose forward yields NaN (broken weights) makes generate raise a ValueError that says so, rather
+    than drawing an out-of-range id; the runtime records it as the episode's policy_error."""
+    import copy
+
+    from agentenv.hf_policy import HFPolicy
+
+    model = copy.deepcopy(chatty_policy.model)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.fill_(float("nan"))
+    policy = HFPolicy(model, chatty_policy.tokenizer, seed=0)
+    with pytest.raises(ValueError, match="not finite"):
+        policy.generate([GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=4))])
