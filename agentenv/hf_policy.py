@@ -26,8 +26,8 @@ Decode steps, for speed (both exact: the same tokens and log-probs to ~1e-6, ``t
 grouped-query model with ``sdpa`` attention gets :func:`gqa_decode_attention`, which lets a one-token query attend to
 the cached keys/values without first copying them once per query head; and the cache of a plain full-attention
 model is one buffer per layer, sized for the whole generation (:class:`PreallocatedLayer`), written in place instead
-of being concatenated -- copied whole -- at every step. Together 1.14x / 1.30x the turns per second at 8 / 16 rows
-of ~1,000 cached tokens on 2 cores (``benchmarks/prefix_cache.py``).
+of being concatenated -- copied whole -- at every step. Together 1.14-1.17x / 1.30-1.37x the turns per second at
+8 / 16 rows of ~1,000 cached tokens on 2 cores (``benchmarks/prefix_cache.py``).
 
 ``backend = "hf"`` is recorded in every trajectory's ``sampling["backend"]``.
 """
