@@ -3,9 +3,9 @@
 :class:`HFPolicy` samples with its own small decoding loop over a KV cache instead of ``model.generate``: at each step
 it computes the processed distribution once (:func:`agentenv.processing.processed_logprobs`: temperature, top-k, top-p),
 draws from it by inverse transform (uniforms from the policy's generator, or for a request with a ``seed`` from its
-own seeded stream, so its tokens do not depend on its batch), and stores the drawn token's log-probability under that very distribution. No library sampling
-default (``generate``'s implicit top_k=50, a model's generation_config) can change what was drawn without being
-recorded. Requests in one ``generate`` call are batched (left padding, explicit position ids); requests with
+own seeded stream, so its tokens do not depend on its batch), and stores the drawn token's log-probability under that
+very distribution. No library sampling default (``generate``'s implicit top_k=50, a model's generation_config) can
+change what was drawn without being recorded. Requests in one ``generate`` call are batched (left padding, explicit position ids); requests with
 different sampling settings are run as separate groups.
 
 Prefix cache: a multi-turn episode asks again with its previous prompt + the tokens it was given + the next
@@ -136,7 +136,8 @@ class HFPolicy:
         self._cache_layers = _plain_full_attention_layers(self.model) if fast_decode else 0  # 0: model's own cache
         cfg = self.model.config
         impl = getattr(cfg, "_attn_implementation", None)
-        if fast_decode and impl == "sdpa" and getattr(cfg, "num_key_value_heads", None) not in (None, cfg.num_attention_heads):
+        grouped = getattr(cfg, "num_key_value_heads", None) not in (None, cfg.num_attention_heads)
+        if fast_decode and impl == "sdpa" and grouped:
             self.model.set_attn_implementation(GQA_DECODE)
         elif not fast_decode and impl == GQA_DECODE:  # a model another HFPolicy switched
             self.model.set_attn_implementation("sdpa")

@@ -204,7 +204,8 @@ def test_a_seeded_request_draws_the_same_whatever_it_is_batched_with(chatty_poli
     policy = HFPolicy(copy.deepcopy(chatty_policy.model), tok, seed=0)
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10)
     prompt = tok("the seeded one", add_special_tokens=False)["input_ids"]
-    others = [tok(t, add_special_tokens=False)["input_ids"] for t in ("a far longer prompt with many more words in it", "x")]
+    others = [tok(t, add_special_tokens=False)["input_ids"]
+              for t in ("a far longer prompt with many more words in it", "x")]
     alone = policy.generate([GenerationRequest(prompt, sp, seed=42)])[0]
     batched = policy.generate([GenerationRequest(others[0], sp), GenerationRequest(prompt, sp, seed=42),
                                GenerationRequest(others[1], sp, seed=7)])[1]
