@@ -5,8 +5,8 @@ it computes the processed distribution once (:func:`agentenv.processing.processe
 draws from it by inverse transform (uniforms from the policy's generator, or for a request with a ``seed`` from its
 own seeded stream, so its tokens do not depend on its batch), and stores the drawn token's log-probability under that
 very distribution. No library sampling default (``generate``'s implicit top_k=50, a model's generation_config) can
-change what was drawn without being recorded. Requests in one ``generate`` call are batched (left padding, explicit position ids); requests with
-different sampling settings are run as separate groups.
+change what was drawn without being recorded. Requests in one ``generate`` call are batched (left padding, explicit
+position ids); requests with different sampling settings are run as separate groups.
 
 Prefix cache: a multi-turn episode asks again with its previous prompt + the tokens it was given + the next
 observation. The keys/values of every sequence a generation leaves behind are kept (:class:`PrefixKVCache`, bounded
