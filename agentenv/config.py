@@ -116,8 +116,8 @@ class EvalConfig(_Section):
     samples: int = Field(1, ge=1)  # samples per task
     temperature: Optional[float] = Field(None, gt=0)  # None = the rollout temperature
     top_p: Optional[float] = Field(None, gt=0, le=1)  # None = the rollout top_p
-    # Seeds each play's draws from (seed, split, task, play, turn): every evaluation of a run draws with the same
-    # random numbers, so a before/after change is paired in its sampling too (narrower). None = unseeded draws.
+    # Seeds each play's draws from (seed, split, task, play, turn): the same weights score the same whatever the
+    # batching, and every evaluation of a run meets the same random numbers. None = unseeded draws.
     seed: Optional[int] = 0
 
 

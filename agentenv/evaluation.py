@@ -8,14 +8,14 @@ confidence intervals of ``success_<type>``), ``task_successes`` (``{task index: 
 keys so it survives JSON: what lets a before/after comparison pair each task with itself) and ``wall_s``.
 ``split=None`` evaluates on the training tasks. With ``eval.seed`` set (the default, 0) every play draws from its own
 seeded stream (:attr:`agentenv.runtime.Task.sampling_seed`): the same weights give the same episodes whatever the
-batching, and two weights meet the same random numbers, so their paired change carries less sampling luck.
+batching (to float rounding), and two weights meet the same random numbers (on the ALFWorld demo that did not
+narrow the paired interval: docs/alfworld_demo.md, twelfth pass).
 The same function serves periodic evaluation during a run, ``agentenv run --eval-only`` and ``agentenv eval``.
 The policy must already hold the weights to evaluate (the run loads the learner's current weights into it).
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 from agentenv.config import RunConfig
@@ -25,13 +25,12 @@ from agentenv.episodes import env_factory, rollout_config, task_list
 def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | None = None,
              samples: int | None = None, progress: bool = True) -> dict:
     from agentenv.metrics import batch_metrics
-    from agentenv.runtime import run_episodes
+    from agentenv.runtime import mix_seed, run_episodes
 
     tasks = task_list(cfg, split, limit=limit or cfg.eval.episodes, samples=samples or cfg.eval.samples)
     if cfg.eval.seed is not None:  # common random numbers across this run's evaluations (see EvalConfig.seed)
         for t in tasks:
-            key = f"{cfg.eval.seed}:{split}:{t.meta['task']}:{t.meta['sample']}".encode()
-            t.sampling_seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) >> 1
+            t.sampling_seed = mix_seed(cfg.eval.seed, split, t.meta["task"], t.meta["sample"])
     t0 = time.perf_counter()
     trajs = run_episodes(env_factory(cfg, split), policy, len(tasks),
                          rollout_config(cfg, eval=True, concurrency=min(16, len(tasks))), tasks=tasks,

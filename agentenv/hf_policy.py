@@ -343,10 +343,8 @@ def _batched_cache(kvs: list, cached: list[int], C: int, dev, layers: int = 0, c
     """The cache a batch starts from: each row's kept keys/values, left-padded with zeros to ``C`` positions. With
     ``layers``, a cache of that many :class:`PreallocatedLayer` of ``capacity`` positions (empty when ``C == 0``);
     else a plain DynamicCache (``None`` when ``C == 0``: the model builds its own)."""
-    cache = DynamicCache()
-    cache.layers = [PreallocatedLayer(capacity) for _ in range(layers)]
     if not C:
-        return cache if layers else None
+        return _preallocated_cache(layers, capacity) if layers else None
     ref = next(kv for kv in kvs if kv is not None)
     data = []
     for layer in range(len(ref)):
@@ -361,8 +359,15 @@ def _batched_cache(kvs: list, cached: list[int], C: int, dev, layers: int = 0, c
         data.append(tuple(pair))
     if not layers:
         return DynamicCache(ddp_cache_data=data)
+    cache = _preallocated_cache(layers, capacity)
     for layer, (k, v) in zip(cache.layers, data):
         layer.update(k, v)
+    return cache
+
+
+def _preallocated_cache(layers: int, capacity: int) -> DynamicCache:
+    cache = DynamicCache()
+    cache.layers = [PreallocatedLayer(capacity) for _ in range(layers)]
     return cache
 
 

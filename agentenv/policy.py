@@ -13,9 +13,9 @@ A policy turns token-id prompts into sampled continuations. Contract for every b
   at each sampled position.
 * ``policy_version`` is the version of the weights that produced every token of this generation.
 * ``GenerationRequest.seed`` (optional) fixes the request's random draws: the same seed, prompt and distribution give
-  the same tokens whatever else is batched with it. Evaluation seeds each (task, play, turn), so the evaluations
-  before and after training draw with common random numbers, which narrows their paired difference; training
-  requests carry no seed (the sampler's own stream: a prompt issued again is a fresh draw).
+  the same tokens whatever else is batched with it (to float rounding). Evaluation seeds each (task, play, turn):
+  the same weights score the same, and the evaluations before and after training draw with common random numbers;
+  training requests carry no seed (the sampler's own stream: a prompt issued again is a fresh draw).
 
 * ``backend`` (optional class attribute) names the sampler: ``"hf"`` (:class:`agentenv.hf_policy.HFPolicy`),
   ``"vllm"``; the runtime records it in every trajectory's ``sampling["backend"]`` (``"text"`` for a

@@ -68,7 +68,8 @@ class RolloutConfig:
 class Task:
     """What one episode runs: a seed and optional reset options (e.g. a specific game or question).
     ``sampling_seed``: seeds the policy's draws too (turn ``t`` asks with seed ``sampling_seed``, ``t`` mixed), so
-    two policies playing the same task draw with common random numbers (evaluation sets it; training does not)."""
+    two policies playing the same task draw with common random numbers and the same weights replay the same
+    episode (evaluation sets it; training does not)."""
 
     seed: int | None = None
     options: dict | None = None
@@ -79,9 +80,10 @@ class Task:
 GenerateFn = Callable[[GenerationRequest], Generation]
 
 
-def turn_seed(sampling_seed: int, turn: int) -> int:
-    """The request seed of turn ``turn`` of an episode seeded ``sampling_seed`` (a 63-bit mix of the two)."""
-    return int.from_bytes(hashlib.blake2b(f"{sampling_seed}:{turn}".encode(), digest_size=8).digest()) >> 1
+def mix_seed(*parts) -> int:
+    """A 63-bit seed mixed from ``parts`` (their ``str``): e.g. an eval play's ``(eval seed, split, task, play)``,
+    a turn's ``(sampling_seed, turn)``. Stable across processes and Python versions, unlike ``hash``."""
+    return int.from_bytes(hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()) >> 1
 
 
 def _env_name(env: gym.Env) -> str:
@@ -148,7 +150,7 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
                     break
                 budget = min(limits.values())
                 sp = cfg.sampling if budget == cfg.sampling.max_new_tokens else _with_budget(cfg.sampling, budget)
-                seed = None if task.sampling_seed is None else turn_seed(task.sampling_seed, traj.num_turns)
+                seed = None if task.sampling_seed is None else mix_seed(task.sampling_seed, traj.num_turns)
                 gen = generate_fn(GenerationRequest(list(seq.token_ids), sp, cfg.return_entropy, seed))
                 if len(gen.token_ids) > budget:
                     raise RuntimeError(f"sampler returned {len(gen.token_ids)} tokens, over the budget of {budget}")
