@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -113,12 +113,31 @@ class EvalConfig(_Section):
     at_end: bool = False
     splits: list[str] = Field(default_factory=list)  # e.g. [valid_seen, valid_unseen]; [] = the training tasks
     episodes: Optional[int] = Field(None, ge=1)  # tasks per split; None = the whole split
-    samples: int = Field(1, ge=1)  # samples per task
+    # plays per task: one number for every split, or one per split, e.g. {valid_seen: 2, valid_unseen: 8} (spend the
+    # episodes where the interval matters); with a mapping every evaluated split must be named ("train_tasks" for
+    # an evaluation on the training tasks)
+    samples: Union[int, dict[str, int]] = 1
     temperature: Optional[float] = Field(None, gt=0)  # None = the rollout temperature
     top_p: Optional[float] = Field(None, gt=0, le=1)  # None = the rollout top_p
     # Seeds each play's draws from (seed, split, task, play, turn): the same weights score the same whatever the
     # batching, and every evaluation of a run meets the same random numbers. None = unseeded draws.
     seed: Optional[int] = 0
+
+    @field_validator("samples")
+    @classmethod
+    def _positive_samples(cls, v):
+        if any(n < 1 for n in (v.values() if isinstance(v, dict) else [v])):
+            raise ValueError(f"plays per task must be >= 1, got {v}")
+        return v
+
+    def samples_for(self, split: Optional[str]) -> int:
+        """Plays per task of ``split`` (None: the training tasks, named "train_tasks" in a per-split mapping)."""
+        if isinstance(self.samples, int):
+            return self.samples
+        key = split or "train_tasks"
+        if key not in self.samples:
+            raise ConfigError(f"eval.samples names no plays for split {key!r} (it names {sorted(self.samples)})")
+        return self.samples[key]
 
 
 class SFTSection(_Section):
@@ -202,6 +221,10 @@ class RunConfig(_Section):
                                  f"so this run has {engines} (set loop.num_workers, or vllm_engines 0 or {engines})")
         elif self.launch.vllm_engines:
             raise ValueError("launch.vllm_engines > 0 needs model.backend=vllm")
+        if isinstance(self.eval.samples, dict):
+            missing = [s for s in (self.eval.splits or ["train_tasks"]) if s not in self.eval.samples]
+            if missing:
+                raise ValueError(f"eval.samples: a per-split mapping must name every evaluated split; it lacks {missing}")
         return self
 
     def to_dict(self) -> dict:

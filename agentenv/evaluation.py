@@ -1,4 +1,5 @@
-"""Evaluation: play every task of a split (``eval.samples`` times each) and summarise with the batch statistics.
+"""Evaluation: play every task of a split (``eval.samples`` times each, or the split's own number when that is a
+per-split mapping) and summarise with the batch statistics.
 
 :func:`evaluate(cfg, policy, split)` builds the split's env and tasks through :mod:`agentenv.episodes`, runs them
 through :func:`agentenv.runtime.run_episodes` at the eval sampling settings (``eval.temperature`` / ``eval.top_p``,
@@ -27,7 +28,7 @@ def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | N
     from agentenv.metrics import batch_metrics
     from agentenv.runtime import mix_seed, run_episodes
 
-    tasks = task_list(cfg, split, limit=limit or cfg.eval.episodes, samples=samples or cfg.eval.samples)
+    tasks = task_list(cfg, split, limit=limit or cfg.eval.episodes, samples=samples or cfg.eval.samples_for(split))
     if cfg.eval.seed is not None:  # common random numbers across this run's evaluations (see EvalConfig.seed)
         for t in tasks:
             t.sampling_seed = mix_seed(cfg.eval.seed, split, t.meta["task"], t.meta["sample"])

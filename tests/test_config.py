@@ -148,3 +148,16 @@ def test_one_turn_limit_and_one_engine_count():
         load_config("python_tool", [], ["launch.vllm_engines=3"])
     with pytest.raises(ConfigError, match="needs model.backend=vllm"):
         load_config("python_tool", [], ["model.backend=hf"])
+
+
+def test_eval_samples_per_split():
+    c = load_config("alfworld_demo", [], ["eval.samples={valid_seen: 2, valid_unseen: 8}"])
+    assert (c.eval.samples_for("valid_seen"), c.eval.samples_for("valid_unseen")) == (2, 8)
+    assert load_config("alfworld_demo", [], ["eval.samples=3"]).eval.samples_for("valid_unseen") == 3
+    with pytest.raises(ConfigError, match=r"must name every evaluated split; it lacks \['valid_unseen'\]"):
+        load_config("alfworld_demo", [], ["eval.samples={valid_seen: 2}"])
+    with pytest.raises(ConfigError, match="plays per task must be >= 1"):
+        load_config("alfworld_demo", [], ["eval.samples={valid_seen: 0, valid_unseen: 2}"])
+    # the training tasks (no eval.splits) are "train_tasks" in a mapping
+    c = load_config("demo", [], ["eval.splits=[]", "eval.samples={train_tasks: 5}"])
+    assert c.eval.samples_for(None) == 5

@@ -307,8 +307,8 @@ def test_alfworld_demo_two_updates_on_the_shipped_games(tmp_path, monkeypatch):
 
     monkeypatch.delenv("ALFWORLD_DATA", raising=False)
     sets = ["model.name=tiny-bpe-alfworld:64x2", "sft.num_demos=8", "sft.epochs=1", "sft.batch_size=4",
-            "loop.total_updates=2", "loop.batch_size=2", "loop.concurrency=2", "eval.samples=1", "eval.episodes=2",
-            "env.num_tasks=4", "run.tensorboard=false"]
+            "loop.total_updates=2", "loop.batch_size=2", "loop.concurrency=2", "eval.episodes=2",
+            "eval.samples={valid_seen: 1, valid_unseen: 2}", "env.num_tasks=4", "run.tensorboard=false"]
     argv = ["demo", "--env", "alfworld", "--no-progress", "--run-dir", str(tmp_path / "run")]
     for s in sets:
         argv += ["--set", s]
@@ -319,15 +319,16 @@ def test_alfworld_demo_two_updates_on_the_shipped_games(tmp_path, monkeypatch):
 
     final_version = read_metrics(run)[-1]["policy_version"]  # real optimizer steps only (zero-signal ones skip)
     assert set(res["before"]) == set(res["after"]) == {"valid_seen", "valid_unseen"}
-    for split in ("valid_seen", "valid_unseen"):
+    for split, plays in (("valid_seen", 1), ("valid_unseen", 2)):  # eval.samples per split
         b = res["before"][split]
-        assert b["episodes"] == 2 and b["policy_versions"] == [0]
+        assert b["episodes"] == 2 * plays and b["policy_versions"] == [0]
         # one [successes, episodes] per eval game, the same games before and after: the change is paired by game
         assert b["task_successes"].keys() == res["after"][split]["task_successes"].keys() == {"0", "1"}
-        assert sum(n for _, n in b["task_successes"].values()) == 2
+        assert [n for _, n in b["task_successes"].values()] == [plays, plays]
         assert sum(s for s, _ in b["task_successes"].values()) == b["successes"]
         assert res["after"][split]["policy_versions"] == [final_version]  # the learner's weights at the end
     assert any("95% Wilson" in line for line in res["table"]) and any("2 episodes of 2 tasks" in x for x in res["table"])
+    assert any("4 episodes of 2 tasks" in x for x in res["table"])
     assert any(line.strip().startswith("valid_unseen") for line in res["table"])
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in recs if "event" not in r] == [1, 2]
