@@ -171,6 +171,11 @@ def run_demo(cfg, *, progress: bool = True, echo=print) -> int:
             "expert": f"{s.num_demos} expert demos (noise {s.expert_noise:g})"}.get(s.demos, f"demos from {s.demos}")
     echo(f"agentenv demo: env {cfg.env.id}, model {cfg.model.name}, {cfg.loop.total_updates} updates x "
          f"{cfg.loop.batch_size} trajectories, SFT warm start on {what}")
+    e = cfg.eval
+    when = " and ".join(w for w, on in (("before", e.at_start), ("after", e.at_end)) if on)
+    if when:
+        plays = ", ".join(f"{split or 'training tasks'} {e.samples_for(split)}" for split in (e.splits or [None]))
+        echo(f"evaluation {when} RL, plays per task: {plays}")
     res = run(cfg, progress=progress, echo=echo)
     wall = time.perf_counter() - t0
     first = min((e["update"] for e in res.evals), default=None)

@@ -300,7 +300,7 @@ def test_sft_context_loss_adds_the_observation_tokens_nll():
         assert float(sft_loss(model, batch, 0.5)) == pytest.approx(float(want_action + 0.5 * want_context), rel=1e-5)
 
 
-def test_alfworld_demo_two_updates_on_the_shipped_games(tmp_path, monkeypatch):
+def test_alfworld_demo_two_updates_on_the_shipped_games(tmp_path, monkeypatch, capsys):
     """`agentenv demo --env alfworld` end to end on the shipped games, 2 updates: shipped expert demos -> SFT ->
     eval on valid_seen and valid_unseen -> FlashREINFORCE -> eval again -> the before/after table with intervals."""
     from agentenv.cli import main
@@ -313,6 +313,7 @@ def test_alfworld_demo_two_updates_on_the_shipped_games(tmp_path, monkeypatch):
     for s in sets:
         argv += ["--set", s]
     assert main(argv) == 0
+    assert "evaluation before and after RL, plays per task: valid_seen 1, valid_unseen 2" in capsys.readouterr().out
     run = tmp_path / "run"
     res = json.loads((run / "demo_result.json").read_text())
     from agentenv.metrics import read_metrics
