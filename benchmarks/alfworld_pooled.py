@@ -184,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--first-seed", type=int, default=0,
                    help="loop.seed of the first run (the next runs count up): 1 to add runs beside a demo run's seed 0")
     r.add_argument("--updates", type=int, default=48)
-    r.add_argument("--samples", type=int, default=4, help="plays per game in each run's final evaluation")
-    r.add_argument("--baseline-samples", type=int, default=8, help="plays per game of the warm start's evaluation")
+    # 16: the demo's valid_unseen evaluation (at 4 plays one evaluation moves by about RL's whole effect)
+    r.add_argument("--samples", type=int, default=16, help="plays per game in each run's final evaluation")
+    r.add_argument("--baseline-samples", type=int, default=16, help="plays per game of the warm start's evaluation")
     r.add_argument("--split", default="valid_unseen")
     r.add_argument("--out", help="study directory (default: a new temporary one)")
     r.add_argument("--set", action="append", default=[], help="extra preset override, e.g. env.num_tasks=1098")
