@@ -224,7 +224,8 @@ class RunConfig(_Section):
         if isinstance(self.eval.samples, dict):
             missing = [s for s in (self.eval.splits or ["train_tasks"]) if s not in self.eval.samples]
             if missing:
-                raise ValueError(f"eval.samples: a per-split mapping must name every evaluated split; it lacks {missing}")
+                raise ValueError(f"eval.samples: a per-split mapping must name every evaluated split; "
+                                 f"it lacks {missing}")
         return self
 
     def to_dict(self) -> dict:
