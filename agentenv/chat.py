@@ -14,8 +14,9 @@ schemas) are untrusted text. Before rendering, every occurrence of a control str
 every added token: ``<|im_end|>``, ``<|endoftext|>``, ``<tool_call>``, ...) in a content is replaced by a marker that
 carries a per-sequence random nonce; the template renders the marked contents; the rendered text is tokenized piece
 by piece: text between markers normally (so only the template's own glue can yield control tokens), each marker as
-the PLAIN tokenization of the string it stands for (``split_special_tokens=True``). A forged ``<|im_end|>`` in a tool
-result is therefore a few ordinary tokens, never the end-of-turn id. Assumption (true of every template we know):
+the PLAIN tokenization of the string it stands for (the tokenizer's normalizer, pre-tokenizer and model, with no
+added-token matching; never the shared ``split_special_tokens`` flag, which would race other episode threads). A
+forged ``<|im_end|>`` in a tool result is therefore a few ordinary tokens, never the end-of-turn id. Assumption (true of every template we know):
 template glue never starts or ends in the middle of a control string, so no control string spans glue and content.
 
 **Deltas.** A delta is computed from the real history: the template is rendered with and without the new message
@@ -146,9 +147,14 @@ class ChatSequence:
         added_ids = set(getattr(self.tok, "added_tokens_decoder", {}) or {})
         self._plain: list[list[int]] = []
         for s in controls:
-            ids = self.tok(s, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-            if added_ids & set(ids):  # a non-special added token is matched even with split_special_tokens
+            # Not ``tok(s, split_special_tokens=True)``: on a fast tokenizer that sets a flag on the Rust tokenizer
+            # every thread shares, and an episode thread encoding its glue meanwhile got ``<|im_start|>`` as plain
+            # text. The model's own pipeline gives the same ids without touching shared state (and, unlike the flag,
+            # also skips non-special added tokens); a slow tokenizer takes the flag per call.
+            if getattr(self.tok, "backend_tokenizer", None) is not None:
                 ids = _model_ids(self.tok, s)
+            else:
+                ids = self.tok(s, add_special_tokens=False, split_special_tokens=True)["input_ids"]
             if added_ids & set(ids):
                 raise ValueError(f"the tokenizer cannot encode the control string {s!r} as plain text")
             self._plain.append(ids)

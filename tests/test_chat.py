@@ -150,3 +150,37 @@ def test_every_control_string_in_contents_stays_plain_text(qwen_tok):
                                         tokenize=False, add_generation_prompt=True)
     glue_ids = [t for t in qwen_tok(glue, add_special_tokens=False)["input_ids"] if t in control_ids]
     assert [t for t in seq.token_ids if t in control_ids] == glue_ids
+
+
+def test_sequences_built_on_many_threads_at_once_tokenize_as_one_alone(qwen_tok):
+    """The runtime builds and extends ChatSequences on many episode threads over ONE tokenizer. A fast tokenizer's
+    ``split_special_tokens`` is a flag on the shared Rust object, so a sequence that set it for its control strings
+    while another encoded its glue turned that glue's ``<|im_start|>`` into plain text (0.8% of a CPU ALFWorld run's
+    trajectories). Every sequence built concurrently must equal the one built alone."""
+    import threading
+
+    def build() -> list[int]:
+        seq = ChatSequence(qwen_tok)
+        seq.start([{"role": "system", "content": "Play."}, {"role": "user", "content": "You see a desk 1."}])
+        for turn in range(6):
+            seq.add_sampled(sampled(qwen_tok, f"go to desk {turn}"))
+            seq.add_message("user", f"You arrive at desk {turn}. On it you see a mug {turn}.")
+        return seq.token_ids
+
+    alone = build()
+    results: list[list[int]] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(15):
+            ids = build()
+            with lock:
+                results.append(ids)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 120
+    assert sum(ids != alone for ids in results) == 0
