@@ -11,13 +11,18 @@ keys so it survives JSON: what lets a before/after comparison pair each task wit
 seeded stream (:attr:`agentenv.runtime.Task.sampling_seed`): the same weights give the same episodes whatever the
 batching (to float rounding), and two weights meet the same random numbers (on the ALFWorld demo that did not
 narrow the paired interval: docs/alfworld_demo.md, twelfth pass).
+With ``eval.samplers`` = k > 1 the plays are dealt round-robin to the policy and k-1 copies of it
+(:meth:`agentenv.hf_policy.HFPolicy.replica`), each sampling on its own thread with 1/k of the torch threads (restored
+afterwards); seeded plays score the same whichever copy plays them.
 The same function serves periodic evaluation during a run, ``agentenv run --eval-only`` and ``agentenv eval``.
 The policy must already hold the weights to evaluate (the run loads the learner's current weights into it).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from agentenv.config import RunConfig
 from agentenv.episodes import env_factory, rollout_config, task_list
@@ -26,16 +31,14 @@ from agentenv.episodes import env_factory, rollout_config, task_list
 def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | None = None,
              samples: int | None = None, progress: bool = True) -> dict:
     from agentenv.metrics import batch_metrics
-    from agentenv.runtime import mix_seed, run_episodes
+    from agentenv.runtime import mix_seed
 
     tasks = task_list(cfg, split, limit=limit or cfg.eval.episodes, samples=samples or cfg.eval.samples_for(split))
     if cfg.eval.seed is not None:  # common random numbers across this run's evaluations (see EvalConfig.seed)
         for t in tasks:
             t.sampling_seed = mix_seed(cfg.eval.seed, split, t.meta["task"], t.meta["sample"])
     t0 = time.perf_counter()
-    trajs = run_episodes(env_factory(cfg, split), policy, len(tasks),
-                         rollout_config(cfg, eval=True, concurrency=min(16, len(tasks))), tasks=tasks,
-                         progress=progress)
+    trajs = _play(cfg, policy, split, tasks, progress)
     m = batch_metrics(trajs)
     m.pop("tokens", None)
     # which weights played: the versions every sampled token carries (one, when the policy was up to date)
@@ -53,3 +56,44 @@ def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | N
              task_successes=dict(sorted(by_task.items(), key=lambda kv: int(kv[0]))),
              policy_versions=sorted({v for t in trajs for v in t.versions}))
     return m
+
+
+def _play(cfg: RunConfig, policy, split: str | None, tasks: list, progress: bool) -> list:
+    """Every task's episodes, on ``eval.samplers`` copies of the policy at once (one thread each)."""
+    from agentenv.runtime import run_episodes
+
+    make_env = env_factory(cfg, split)
+    k = min(cfg.eval.samplers, len(tasks))
+    if k <= 1:
+        return run_episodes(make_env, policy, len(tasks), rollout_config(cfg, eval=True, concurrency=min(16, len(tasks))),
+                            tasks=tasks, progress=progress)
+    import torch
+
+    if not hasattr(policy, "replica"):
+        raise TypeError(f"eval.samplers={cfg.eval.samplers}: {type(policy).__name__} cannot be copied (only the "
+                        "transformers sampler can); set eval.samplers=1")
+    samplers = [policy] + [policy.replica(i) for i in range(1, k)]
+    shards = [tasks[i::k] for i in range(k)]
+    bar, lock = None, threading.Lock()
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(tasks), desc="episodes", unit="ep", dynamic_ncols=True)
+
+    def done(traj) -> None:
+        if bar is not None:
+            with lock:
+                bar.update(1)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads // k))  # each copy's ops on its own share of the cores
+    try:
+        with ThreadPoolExecutor(k, thread_name_prefix="agentenv-eval-sampler") as pool:
+            futures = [pool.submit(run_episodes, make_env, p, len(shard),
+                                   rollout_config(cfg, eval=True, concurrency=min(16, len(shard))), tasks=shard,
+                                   on_trajectory=done) for p, shard in zip(samplers, shards)]
+            return [t for f in futures for t in f.result()]
+    finally:
+        torch.set_num_threads(threads)
+        if bar is not None:
+            bar.close()

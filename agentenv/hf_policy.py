@@ -34,6 +34,7 @@ of being concatenated -- copied whole -- at every step. Together 1.14-1.17x / 1.
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import threading
@@ -116,6 +117,7 @@ class HFPolicy:
                  prefix_cache_tokens: int = 1 << 19, fast_decode: bool = True):
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.seed, self.fast_decode = seed, fast_decode
         self.name = name or getattr(model.config, "name_or_path", "") or "hf-model"
         self.model_path = model_path
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -141,6 +143,18 @@ class HFPolicy:
             self.model.set_attn_implementation(GQA_DECODE)
         elif not fast_decode and impl == GQA_DECODE:  # a model another HFPolicy switched
             self.model.set_attn_implementation("sdpa")
+
+    def replica(self, index: int = 1) -> "HFPolicy":
+        """A second sampler over a copy of these weights: same version and settings, its own model copy, lock,
+        prefix cache and generator (seeded ``seed + index``), so two can sample on two threads at once (evaluation
+        with ``eval.samplers``). A later :meth:`load_weights` on one does not reach the other."""
+        with self._lock:  # not mid-load: the copy holds one version
+            model = copy.deepcopy(self.model)
+            version = self.policy_version
+        return HFPolicy(model, self.tokenizer, name=self.name, model_path=self.model_path, seed=self.seed + index,
+                        device=self.device, policy_version=version, max_batch_size=self.max_batch_size,
+                        prefix_cache_tokens=self.prefix_cache.max_tokens if self.prefix_cache is not None else 0,
+                        fast_decode=self.fast_decode)
 
     # --- weights --------------------------------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> None:

@@ -175,7 +175,8 @@ def run_demo(cfg, *, progress: bool = True, echo=print) -> int:
     when = " and ".join(w for w, on in (("before", e.at_start), ("after", e.at_end)) if on)
     if when:
         plays = ", ".join(f"{split or 'training tasks'} {e.samples_for(split)}" for split in (e.splits or [None]))
-        echo(f"evaluation {when} RL, plays per task: {plays}")
+        on = f", {e.samplers} samplers at once" if e.samplers > 1 else ""
+        echo(f"evaluation {when} RL, plays per task: {plays}{on}")
     res = run(cfg, progress=progress, echo=echo)
     wall = time.perf_counter() - t0
     first = min((e["update"] for e in res.evals), default=None)

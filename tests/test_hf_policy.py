@@ -262,3 +262,60 @@ def test_non_finite_logits_are_a_clear_error(chatty_policy):
     policy = HFPolicy(model, chatty_policy.tokenizer, seed=0)
     with pytest.raises(ValueError, match="not finite"):
         policy.generate([GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=4))])
+
+
+def test_replica_samples_alone_and_keeps_its_own_weights(chatty_policy):
+    """A replica holds a copy of the weights at the same version: the same seeded draws as the original, and a
+    later weight load on the original changes nothing in the replica (two threads can sample at once)."""
+    src = _clone(chatty_policy)
+    src.load_weights(src.model.state_dict(), version=7)
+    twin = src.replica(1)
+    assert twin.policy_version == 7 and twin.model is not src.model
+    req = [GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=8), seed=11)]
+    assert twin.generate(req)[0].token_ids == src.generate(req)[0].token_ids
+    before = {k: v.clone() for k, v in twin.model.state_dict().items()}
+    src.load_weights({k: torch.zeros_like(v) for k, v in src.model.state_dict().items()})
+    assert src.policy_version == 8 and twin.policy_version == 7
+    assert all(torch.equal(before[k], v) for k, v in twin.model.state_dict().items())
+
+
+def test_evaluation_on_two_samplers_plays_what_one_plays(chatty_policy):
+    """eval.samplers=2 deals the plays to the policy and a replica on two threads: every seeded play is the same
+    episode token for token, the summary is the same, and the process's torch threads are restored."""
+    from agentenv.config import ConfigError, load_config
+    from agentenv.evaluation import _play, evaluate
+    from agentenv.runtime import mix_seed
+
+    def cfg(samplers):
+        return load_config("text_env", overrides=[
+            "env.id=guess", "env.num_tasks=3", "eval.samples=2", "rollout.max_turns=3", "rollout.max_new_tokens=16",
+            "rollout.max_total_tokens=400", f"eval.samplers={samplers}"])
+
+    from agentenv.episodes import task_list
+
+    def plays(samplers):
+        tasks = task_list(cfg(samplers), None, samples=2)
+        for t in tasks:
+            t.sampling_seed = mix_seed(0, None, t.meta["task"], t.meta["sample"])
+        return {(t.meta["task"], t.meta["sample"]): t.token_ids
+                for t in _play(cfg(samplers), chatty_policy, None, tasks, progress=False)}
+
+    def asked(policy):  # turns the policy itself was asked to sample
+        return policy.prefix_cache.hits + policy.prefix_cache.misses
+
+    threads = torch.get_num_threads()
+    n0 = asked(chatty_policy)
+    one = plays(1)
+    n1 = asked(chatty_policy)
+    two = plays(2)
+    n2 = asked(chatty_policy)
+    assert len(one) == 6 and one == two
+    assert 0 < n2 - n1 < n1 - n0  # with two samplers the replica played some of the turns
+    assert len({tuple(v) for v in one.values()}) == 6
+    a, b = evaluate(cfg(1), chatty_policy, progress=False), evaluate(cfg(2), chatty_policy, progress=False)
+    for m in (a, b):
+        m.pop("wall_s")
+    assert a == b and a["episodes"] == 6
+    assert torch.get_num_threads() == threads
+    with pytest.raises(ConfigError, match="eval.samplers"):
+        load_config("text_env", overrides=["model.backend=vllm", "eval.samplers=2"])

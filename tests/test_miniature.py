@@ -313,7 +313,8 @@ def test_alfworld_demo_two_updates_on_the_shipped_games(tmp_path, monkeypatch, c
     for s in sets:
         argv += ["--set", s]
     assert main(argv) == 0
-    assert "evaluation before and after RL, plays per task: valid_seen 1, valid_unseen 2" in capsys.readouterr().out
+    assert ("evaluation before and after RL, plays per task: valid_seen 1, valid_unseen 2, 2 samplers at once"
+            in capsys.readouterr().out)
     run = tmp_path / "run"
     res = json.loads((run / "demo_result.json").read_text())
     from agentenv.metrics import read_metrics
