@@ -16,8 +16,9 @@ carries a per-sequence random nonce; the template renders the marked contents; t
 by piece: text between markers normally (so only the template's own glue can yield control tokens), each marker as
 the PLAIN tokenization of the string it stands for (the tokenizer's normalizer, pre-tokenizer and model, with no
 added-token matching; never the shared ``split_special_tokens`` flag, which would race other episode threads). A
-forged ``<|im_end|>`` in a tool result is therefore a few ordinary tokens, never the end-of-turn id. Assumption (true of every template we know):
-template glue never starts or ends in the middle of a control string, so no control string spans glue and content.
+forged ``<|im_end|>`` in a tool result is therefore a few ordinary tokens, never the end-of-turn id. Assumption (true
+of every template we know): template glue never starts or ends in the middle of a control string, so no control
+string spans glue and content.
 
 **Deltas.** A delta is computed from the real history: the template is rendered with and without the new message
 and the earlier rendering must be an exact prefix of the later one ("append-only"). A cheaper "local" delta, cut

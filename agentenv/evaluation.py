@@ -63,19 +63,22 @@ def _play(cfg: RunConfig, policy, split: str | None, tasks: list, progress: bool
     from agentenv.runtime import run_episodes
 
     make_env = env_factory(cfg, split)
+
+    def play(p, shard: list, **kw) -> list:
+        return run_episodes(make_env, p, len(shard), rollout_config(cfg, eval=True, concurrency=min(16, len(shard))),
+                            tasks=shard, **kw)
+
     k = min(cfg.eval.samplers, len(tasks))
     if k <= 1:
-        return run_episodes(make_env, policy, len(tasks), rollout_config(cfg, eval=True, concurrency=min(16, len(tasks))),
-                            tasks=tasks, progress=progress)
+        return play(policy, tasks, progress=progress)
     import torch
 
     if not hasattr(policy, "replica"):
         raise TypeError(f"eval.samplers={cfg.eval.samplers}: {type(policy).__name__} cannot be copied (only the "
                         "transformers sampler can); set eval.samplers=1")
     samplers = [policy] + [policy.replica(i) for i in range(1, k)]
-    shards = [tasks[i::k] for i in range(k)]
     bar, lock = None, threading.Lock()
-    if progress:
+    if progress:  # one bar for all copies (run_episodes' own would draw one each)
         from tqdm import tqdm
 
         bar = tqdm(total=len(tasks), desc="episodes", unit="ep", dynamic_ncols=True)
@@ -89,9 +92,7 @@ def _play(cfg: RunConfig, policy, split: str | None, tasks: list, progress: bool
     torch.set_num_threads(max(1, threads // k))  # each copy's ops on its own share of the cores
     try:
         with ThreadPoolExecutor(k, thread_name_prefix="agentenv-eval-sampler") as pool:
-            futures = [pool.submit(run_episodes, make_env, p, len(shard),
-                                   rollout_config(cfg, eval=True, concurrency=min(16, len(shard))), tasks=shard,
-                                   on_trajectory=done) for p, shard in zip(samplers, shards)]
+            futures = [pool.submit(play, p, tasks[i::k], on_trajectory=done) for i, p in enumerate(samplers)]
             return [t for f in futures for t in f.result()]
     finally:
         torch.set_num_threads(threads)
