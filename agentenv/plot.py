@@ -2,8 +2,9 @@
 
 Contract: reads each run's ``metrics.jsonl`` (see :mod:`agentenv.metrics`), draws a 2x3 grid -- reward & success,
 tool-call rate (share of trajectories with >= 1 call, and calls per trajectory), trust-gate acceptance rate, policy
-lag (mean and max), length (policy tokens per trajectory) and turns -- with one colour per run (overlaid for
-comparison; light raw line + bold moving average), and writes ``curves.png`` (default: into the first run dir).
+lag (mean and max), length (policy tokens per trajectory) and turns (with invalid actions per trajectory, ALFWorld's
+main failure, and the truncated share) -- with one colour per run (overlaid for comparison; light raw line + bold
+moving average), and writes ``curves.png`` (default: into the first run dir).
 Headless (Agg backend); missing metrics leave their panel with a note instead of failing.
 """
 
@@ -20,7 +21,8 @@ PANELS = (
     ("Trust-gate acceptance", [("acceptance_rate", "accepted", "-")], (-0.02, 1.02)),
     ("Policy lag (versions)", [("lag_mean", "mean", "-"), ("lag_max", "max", "--")], (0, None)),
     ("Length", [("policy_tokens_mean", "policy tokens / traj", "-")], (0, None)),
-    ("Turns / truncation", [("turns_mean", "turns", "-"), ("truncation_rate", "truncated", "--")], (0, None)),
+    ("Turns / invalid actions / truncation", [("turns_mean", "turns", "-"), ("invalid_actions_mean", "invalid actions", ":"),
+                                              ("truncation_rate", "truncated", "--")], (0, None)),
 )
 
 
