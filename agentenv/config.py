@@ -74,6 +74,10 @@ class AlgoConfig(_Section):
     weight_decay: float = Field(0.1, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     grpo_clip_eps: float = Field(0.2, gt=0)
+    # tail averaging: the run's final weights (final evaluation, final_model) are the uniform mean of the weights
+    # after each of the last N updates (all of them when the run is shorter, e.g. a smoke); 0 = the last update's
+    # weights. Rollouts always sample the current weights.
+    average_last_updates: int = Field(0, ge=0)
     max_tokens_per_microbatch: Optional[int] = Field(None, ge=1)
     # ablation "constant_length": each trajectory's token sum is divided by this constant instead of its own length
     constant_length: Optional[int] = Field(None, ge=1)

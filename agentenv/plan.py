@@ -132,7 +132,8 @@ def launch_plan(cfg: RunConfig) -> dict:
                       "batch": f"{cfg.loop.batch_size // cfg.loop.group_size} prompts x {cfg.loop.group_size} samples",
                       "delta": "inf (no_trust)" if cfg.algo.no_trust else cfg.algo.delta,
                       "failure_filter_q": cfg.algo.negative_token_fraction, "lr": cfg.algo.lr,
-                      "schedule": cfg.algo.schedule, "updates": cfg.loop.total_updates},
+                      "schedule": cfg.algo.schedule, "updates": cfg.loop.total_updates,
+                      "average_last_updates": min(cfg.algo.average_last_updates, cfg.loop.total_updates)},
         "checks": checks,
         "notes": notes,
         "run_dir": cfg.run.dir or f"runs/{cfg.run.name}-<time>",
@@ -185,7 +186,8 @@ def print_plan(cfg: RunConfig, plan: dict, out=print) -> int:
         out("sampler  transformers (HFPolicy)")
     a = plan["algorithm"]
     out(f"algo     {a['loss']} {a['mode']}: {a['batch']} per update, delta={a['delta']}, q={a['failure_filter_q']}, "
-        f"lr={a['lr']} ({a['schedule']}), {a['updates']} updates")
+        f"lr={a['lr']} ({a['schedule']}), {a['updates']} updates"
+        + (f"; final weights = mean over the last {a['average_last_updates']}" if a.get("average_last_updates") else ""))
     for item in plan["checks"]:
         out(f"check    [{'ok' if item['ok'] else 'MISSING'}] {item['what']}: {item['detail']}")
     for n in plan["notes"]:

@@ -158,6 +158,9 @@ def before_after_table(before: list[dict], after: list[dict], updates: int) -> l
         if "turns_mean" in b:
             lines.append(f"    {'turns / episode':20s}{b['turns_mean']:8.2f}{'':15s}{a['turns_mean']:10.2f}")
     how = {"paired": "bootstrap over tasks, each paired with itself", "newcombe": "Newcombe interval"}
+    weights = next((e["weights"] for e in after if e.get("weights")), None)
+    if weights:
+        lines.append(f"  (after: the {weights})")
     lines.append("  (success: mean and 95% Wilson interval over eval episodes; change: 95% "
                  + ", or ".join(how[k] for k in sorted(kinds, reverse=True)) + ")")
     return lines
@@ -182,7 +185,9 @@ def run_demo(cfg, *, progress: bool = True, echo=print) -> int:
     first = min((e["update"] for e in res.evals), default=None)
     last = max((e["update"] for e in res.evals), default=None)
     before = [e for e in res.evals if e["update"] == first == 0]
-    after = [e for e in res.evals if e["update"] == last and last and last > 0]
+    # per split the LAST evaluation at the last update: with a weight average that is the mean's, not the one that
+    # eval.every took of the last update's weights
+    after = list({e["split"]: e for e in res.evals if e["update"] == last and last and last > 0}.values())
     h = res.history
     echo("")
     echo("curves over updates (batch values, 0..1):")

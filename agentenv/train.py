@@ -12,7 +12,10 @@ Contract of :func:`run(cfg)`:
    ``[update N]`` line (:class:`agentenv.metrics.MetricsLogger`), every trajectory to ``RUN/trajectories.jsonl``.
 4. Evaluation (:mod:`agentenv.evaluation`) at the start, every ``eval.every`` updates and at the end, always with the
    learner's CURRENT weights, whatever the rollout backend.
-5. The trained policy is saved as a Hugging Face model directory: ``RUN/final_model`` and, at
+5. ``algo.average_last_updates`` = N > 0: when the loop finishes (not on Ctrl-C), the learner's weights become the
+   mean of its weights after each of the last N updates (:meth:`Learner.use_average`); the final evaluation (its
+   records carry ``weights``) and ``RUN/final_model`` are of that mean, checkpoints of the weights rollouts used.
+   The trained policy is saved as a Hugging Face model directory: ``RUN/final_model`` and, at
    ``loop.checkpoint_every``, ``RUN/checkpoints/step_N/model``. ``RUN/summary.json`` records the loop's summary,
    the evaluations and ``components``: what actually started (it equals the plan's).
 6. ``resume=True`` continues ``RUN`` from its latest checkpoint (``agentenv run --resume RUN``).
@@ -109,9 +112,11 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
     make_policy = policy_factory(cfg, model_path, plan)
     eval_policy = None
 
-    def do_eval(policy, step: int) -> None:
+    def do_eval(policy, step: int, weights: str | None = None) -> None:
         for split in (cfg.eval.splits or [None]):
             m = evaluate(cfg, policy, split, progress=progress)
+            if weights:
+                m["weights"] = weights
             logger.log_eval(step, split or "train_tasks", m)
             evals.append({"update": step, "split": split or "train_tasks", **m})
 
@@ -133,6 +138,8 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
             nonlocal eval_policy
             local = trainer.local_policy()  # None before the loop starts, and with Ray (samplers live in actors)
             if local is not None:
+                if getattr(local, "policy_version", None) != learner.policy_version:  # the weight average swapped in
+                    local.load_weights(learner.export_weights(), learner.policy_version)
                 return local
             if eval_policy is None:
                 eval_policy = make_policy(0)
@@ -175,9 +182,16 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
             torch.set_num_threads(threads)
             if bar is not None:
                 bar.close()
+        averaged = 0 if trainer.interrupted else learner.use_average()  # an unfinished run keeps its last weights
+        weights = None
+        if averaged > 1:
+            weights = f"mean of the weights after updates {trainer.step - averaged + 1}-{trainer.step}"
+            echo(f"final weights: the {weights} (algo.average_last_updates={cfg.algo.average_last_updates})")
+        summary["averaged_updates"] = averaged
         # Ctrl-C means "stop now": save, do not evaluate; weights that eval.every just measured are not run again
-        if cfg.eval.at_end and not trainer.interrupted and not (evals and evals[-1]["update"] == trainer.step):
-            do_eval(current_weights_policy(), trainer.step)
+        measured = bool(evals) and evals[-1]["update"] == trainer.step and not weights
+        if cfg.eval.at_end and not trainer.interrupted and not measured:
+            do_eval(current_weights_policy(), trainer.step, weights)
         final = run_dir / "final_model"
         learner.save_pretrained(final, source=model_path)
         echo(f"model: {final}  (a Hugging Face model directory: --model {final})")

@@ -78,3 +78,31 @@ def test_end_of_run_eval_is_not_repeated_when_eval_every_just_ran(tmp_path):
                  "--set", "run.plot=false", "--set", "run.tensorboard=false"]) == 0
     evals = json.loads((run / "summary.json").read_text())["evals"]
     assert [e["update"] for e in evals] == [2]
+
+
+def test_a_weight_average_is_what_the_final_eval_and_final_model_hold(tmp_path, capsys):
+    """algo.average_last_updates=2: the plan says so, the end-of-run eval runs again on the mean (eval.every already
+    measured update 2's own weights) and is labelled, and final_model is the mean of the two updates' weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    args = ["run", "--env", "guess", "--model", "tiny", "--no-progress", "--set", "loop.batch_size=2",
+            "--set", "loop.total_updates=2", "--set", "eval.every=2", "--set", "eval.at_end=true",
+            "--set", "eval.episodes=2", "--set", "rollout.max_new_tokens=8", "--set", "run.plot=false",
+            "--set", "run.tensorboard=false", "--set", "algo.average_last_updates=2", "--set", "algo.lr=1e-3",
+            "--set", "loop.checkpoint_every=1"]
+    assert main(args + ["--dry-run"]) == 0
+    assert "final weights = mean over the last 2" in capsys.readouterr().out
+    run = tmp_path / "run"
+    assert main(args + ["--run-dir", str(run)]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["summary"]["averaged_updates"] == 2
+    assert [(e["update"], e.get("weights")) for e in summary["evals"]] == [
+        (2, None), (2, "mean of the weights after updates 1-2")]
+    weights = [load_file(run / d / "model.safetensors") for d in
+               ("checkpoints/step_1/model", "checkpoints/step_2/model", "final_model")]
+    for k, v in weights[2].items():
+        torch.testing.assert_close(v, (weights[0][k] + weights[1][k]) / 2, rtol=0, atol=1e-6, msg=k)
+    # a window longer than the run (a smoke of a preset) averages every update, and the plan says how many
+    assert main([*args[:-2], "--set", "algo.average_last_updates=12", "--dry-run"]) == 0
+    assert "final weights = mean over the last 2" in capsys.readouterr().out

@@ -52,9 +52,10 @@ def batch_of_trajectories(n=6, seed=1):
 
 
 # delta admits all but the most drifted rows, so the mask is non-trivial and must be gathered correctly; the failure
-# filter needs entropies; a token budget gives the two ranks DIFFERENT numbers of micro-batches
+# filter needs entropies; a token budget gives the two ranks DIFFERENT numbers of micro-batches; the two updates are
+# the weight average's window, each rank averaging its own shard
 CONFIG = LearnerConfig(lr=1e-6, delta=1.3, max_grad_norm=100.0, negative_token_fraction=0.5,
-                       max_tokens_per_microbatch=60, autocast="none")
+                       max_tokens_per_microbatch=60, autocast="none", total_steps=2, average_last_updates=2)
 
 
 def test_two_gloo_ranks_update_equals_the_single_process_update(model_dir, tmp_path):
@@ -90,10 +91,19 @@ def test_two_gloo_ranks_update_equals_the_single_process_update(model_dir, tmp_p
         AutoTokenizer.from_pretrained(tmp_path / "final", local_files_only=True)
         for k, v in loaded.state_dict().items():
             assert v.dtype == torch.float32 and torch.equal(v, weights[k]), k
-        # checkpoint round trip through the ranks
+        # checkpoint round trip through the ranks (the weight average is gathered, then sharded again)
         state = sharded.state_dict()
+        assert state["averaged_updates"] == 2
+        assert set(state["weight_average"]) == {k for k, _ in single.model.named_parameters()}
         sharded.load_state_dict(state)
         assert (sharded.step, sharded.policy_version) == (2, 2)
+        # the mean of the two updates' weights, swapped in on every rank, equals the single learner's
+        assert sharded.use_average() == single.use_average() == 2
+        assert sharded.policy_version == single.policy_version == 3
+        averaged = sharded.export_weights()
+        for k, v in single.model.state_dict().items():
+            torch.testing.assert_close(averaged[k], v, rtol=0, atol=1e-6, msg=f"{k}: averaged weights differ")
+        assert not torch.equal(averaged["lm_head.weight"], weights["lm_head.weight"])
     finally:
         sharded.close()
     assert math.isfinite(ref["loss"])

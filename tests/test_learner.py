@@ -221,6 +221,49 @@ def test_resume_gives_the_same_next_update_bitwise(base, tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["learner.pt"]  # no temp file left behind
 
 
+def test_tail_average_is_the_mean_of_the_weights_after_each_of_the_last_n_updates(base, tmp_path):
+    cfg = LearnerConfig(lr=1e-2, weight_decay=0.0, total_steps=5, average_last_updates=3)
+    batches = [make_trajectories(base, 4, seed=20 + i, drift=0.0) for i in range(5)]
+    a = Learner(copy.deepcopy(base), cfg)
+    after = []
+    for i, b in enumerate(batches):
+        a.update(b)
+        after.append(params_of(a))
+        assert a.averaged_updates == max(0, i + 1 - 2)  # updates 3, 4, 5 are the window
+        if i == 2:
+            a.save(tmp_path / "mid.pt")  # one update into the window
+    assert not all(torch.equal(x, y) for x, y in zip(after[2], after[4]))  # the weights moved: a mean means something
+    expected = [torch.stack(ws).double().mean(0).float() for ws in zip(*after[2:])]
+    version = a.policy_version
+    assert a.use_average() == 3
+    assert a.policy_version == version + 1  # new weights, new name
+    for got, want in zip(params_of(a), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert a.use_average() == 0  # the window is empty again: nothing changes
+
+    # a learner resumed inside the window averages the same updates (the running mean is in the checkpoint)
+    b = Learner(copy.deepcopy(base), cfg)
+    b.load(tmp_path / "mid.pt")
+    assert b.averaged_updates == 1
+    for batch in batches[3:]:
+        b.update(batch)
+    assert b.use_average() == 3
+    for got, want in zip(params_of(b), params_of(a)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_tail_average_off_or_one_update_leaves_the_weights(base):
+    for n in (0, 1):
+        learner = Learner(copy.deepcopy(base), LearnerConfig(lr=1e-2, total_steps=2, average_last_updates=n))
+        for seed in (30, 31):
+            learner.update(make_trajectories(base, 3, seed=seed))
+        before, version = params_of(learner), learner.policy_version
+        assert learner.use_average() == n
+        assert learner.policy_version == version and all(map(torch.equal, before, params_of(learner)))
+    with pytest.raises(ValueError, match="average_last_updates needs total_steps"):
+        LearnerConfig(average_last_updates=4)
+
+
 def test_atomic_save_never_leaves_a_partial_file(tmp_path):
     path = tmp_path / "x.pt"
     ckpt.atomic_save({"v": torch.arange(3)}, path)

@@ -320,6 +320,9 @@ def test_alfworld_demo_two_updates_on_the_shipped_games(tmp_path, monkeypatch, c
     from agentenv.metrics import read_metrics
 
     final_version = read_metrics(run)[-1]["policy_version"]  # real optimizer steps only (zero-signal ones skip)
+    # the preset averages its last 12 updates' weights; this run has 2, so both: the mean is a version of its own
+    assert json.loads((run / "summary.json").read_text())["summary"]["averaged_updates"] == 2
+    assert "  (after: the mean of the weights after updates 1-2)" in res["table"]
     assert set(res["before"]) == set(res["after"]) == {"valid_seen", "valid_unseen"}
     for split, plays in (("valid_seen", 1), ("valid_unseen", 2)):  # eval.samples per split
         b = res["before"][split]
@@ -328,7 +331,7 @@ def test_alfworld_demo_two_updates_on_the_shipped_games(tmp_path, monkeypatch, c
         assert b["task_successes"].keys() == res["after"][split]["task_successes"].keys() == {"0", "1"}
         assert [n for _, n in b["task_successes"].values()] == [plays, plays]
         assert sum(s for s, _ in b["task_successes"].values()) == b["successes"]
-        assert res["after"][split]["policy_versions"] == [final_version]  # the learner's weights at the end
+        assert res["after"][split]["policy_versions"] == [final_version + 1]  # the learner's weights at the end
     assert any("95% Wilson" in line for line in res["table"]) and any("2 episodes of 2 tasks" in x for x in res["table"])
     assert any("4 episodes of 2 tasks" in x for x in res["table"])
     assert any(line.strip().startswith("valid_unseen") for line in res["table"])

@@ -8,7 +8,7 @@ Contract:
   (``torch.multiprocessing``, spawn), each joining a process group (gloo on CPU, NCCL on GPU, rank r on ``cuda:r``)
   and building ``Learner(model, config, shard=True)``. Both have the same interface: ``update(trajs) -> stats``,
   ``step``, ``policy_version``, ``export_weights()``, ``state_dict()`` / ``load_state_dict()``, ``save(path)`` /
-  ``load(path)``, ``save_pretrained(dir)``, ``components()``, ``close()``.
+  ``load(path)``, ``save_pretrained(dir)``, ``use_average()``, ``components()``, ``close()``.
 * Every rank receives every command with the same arguments (the whole batch: the rows are split inside
   :meth:`Learner.update`); rank 0's reply is returned. An exception on any rank is raised in the driver with that
   rank's traceback, and the learner stays usable when the error was a refused input (every rank refuses alike).
@@ -124,6 +124,10 @@ class ShardedLearner:
 
         self.load_state_dict(ckpt.load(path))
 
+    def use_average(self) -> int:
+        n, self.policy_version = self._call("use_average")
+        return n
+
     def save_pretrained(self, out_dir, source: str | None = None) -> None:
         self._call("save_pretrained", str(out_dir), source or self.model_path)
 
@@ -177,6 +181,8 @@ def _rank_main(rank, world, port, model_path, config, policy_version, inbox, out
 def _serve(learner, name: str, args: tuple):
     if name == "info":
         return {"step": learner.step, "policy_version": learner.policy_version, "components": learner.components()}
+    if name == "use_average":  # every rank swaps its own shard of the mean in; the driver tracks the new version
+        return learner.use_average(), learner.policy_version
     if name in ("update", "export_weights", "state_dict", "load_state_dict", "save_pretrained"):
         return getattr(learner, name)(*args)
     raise ValueError(f"unknown learner command {name!r}")
