@@ -229,7 +229,7 @@ def test_tail_average_is_the_mean_of_the_weights_after_each_of_the_last_n_update
     for i, b in enumerate(batches):
         a.update(b)
         after.append(params_of(a))
-        assert a.averaged_updates == max(0, i + 1 - 2)  # updates 3, 4, 5 are the window
+        assert a.average.count == max(0, i + 1 - 2)  # updates 3, 4, 5 are the window
         if i == 2:
             a.save(tmp_path / "mid.pt")  # one update into the window
     assert not all(torch.equal(x, y) for x, y in zip(after[2], after[4]))  # the weights moved: a mean means something
@@ -244,7 +244,7 @@ def test_tail_average_is_the_mean_of_the_weights_after_each_of_the_last_n_update
     # a learner resumed inside the window averages the same updates (the running mean is in the checkpoint)
     b = Learner(copy.deepcopy(base), cfg)
     b.load(tmp_path / "mid.pt")
-    assert b.averaged_updates == 1
+    assert b.average.count == 1
     for batch in batches[3:]:
         b.update(batch)
     assert b.use_average() == 3

@@ -33,10 +33,8 @@ run equally many forward passes (a rank with fewer micro-batches repeats one wit
 are gathered so every rank returns the same stats. FSDP2 averages gradients, so each rank backpropagates
 ``world x`` its share.
 
-Tail averaging (``average_last_updates`` = N > 0): after each of the last N of ``total_steps`` updates the weights
-are folded into a running float32 mean (one more copy of the parameters, sharded like them; it is in the checkpoint,
-so a resumed run averages the same updates). Rollouts and the trust gate always use the current weights;
-:meth:`use_average`, called by the run at its end, swaps the mean in for the final evaluation and ``final_model``.
+Tail averaging (``average_last_updates`` = N > 0; :mod:`~agentenv.trainer.averaging`): the weights after each of the
+last N of ``total_steps`` updates go into a running mean that :meth:`use_average` swaps in at the run's end.
 
 Truncated sampling: ``sampling_truncated_fraction`` is the share of the batch sampled with top-k or top-p < 1 (mu is
 then not the distribution pi is evaluated under); when at least half the lag-0 trajectories are rejected by the gate a
@@ -61,6 +59,7 @@ from torch import Tensor
 from agentenv.trajectory import Trajectory
 
 from . import checkpoint as ckpt
+from .averaging import WeightAverage
 from .batch import Batch, collate, microbatches, trajectory_stats
 from .logprobs import DEFAULT_CHUNK, TokenLogProbs
 from .losses import LOSSES, LossInputs, LossResult, get_loss, merge_results
@@ -179,8 +178,7 @@ class Learner:
         self.step = 0  # updates taken (batches consumed)
         self.policy_version = policy_version  # version of the current weights; +1 per optimizer step
         self.consumed: set[str] = set()
-        self._average: dict[str, Tensor] | None = None  # running mean of the weights over the averaging window
-        self.averaged_updates = 0  # how many updates' weights _average holds
+        self.average = WeightAverage(cfg.average_last_updates, cfg.total_steps)  # of the weights, over the window
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else getattr(model.config, "pad_token_id", None)
         self.pad_token_id = 0 if pad is None else int(pad)
 
@@ -228,7 +226,7 @@ class Learner:
         self.step += 1
         self.policy_version += 0 if skipped else 1  # the version names the weights: unchanged weights, same version
         self.consumed.update(keys)  # only after the step: a failed update may be retried with the same batch
-        self._accumulate_average()
+        self.average.after_update(self.model, self.step)
         stats.update(reward_mean=float(batch.rewards.mean()), grad_norm=grad_norm, optimizer_step_skipped=int(skipped),
                      lr=lr, step=self.step, policy_version=self.policy_version, num_trajectories=len(batch),
                      num_microbatches=len(parts), learner_time_s=time.perf_counter() - t0)
@@ -311,68 +309,12 @@ class Learner:
         return contextlib.nullcontext()
 
     # --- tail averaging -------------------------------------------------------------------------------------------
-    def _accumulate_average(self) -> None:
-        """In the window (the last ``average_last_updates`` of ``total_steps``), fold the weights after this update
-        into the running mean: m_k = m_{k-1} + (w - m_{k-1}) / k, float32, on the weights' own device and sharding
-        (each FSDP2 rank averages its own shard: no collective). An update that skipped the optimizer counts too:
-        the mean is over updates, and its weights are what the run held after that update."""
-        n = self.config.average_last_updates
-        if not n or self.step <= self.config.total_steps - n:
-            return
-        with torch.no_grad():
-            if self._average is None:
-                self._average = {k: p.detach().clone() for k, p in self.model.named_parameters()}
-                self.averaged_updates = 1
-                return
-            self.averaged_updates += 1
-            params = dict(self.model.named_parameters())
-            for k, mean in self._average.items():
-                mean.lerp_(params[k].detach(), 1.0 / self.averaged_updates)
-
     def use_average(self) -> int:
-        """Replace the weights by their mean over the updates averaged so far; returns how many that was (0: averaging
-        off or its window not reached; 1: the mean is the weights themselves, nothing changes). Called once at the end
-        of a run, so the final evaluation and ``final_model`` see the mean: averaging the last iterates cancels part
-        of their noise (the averaged checkpoints of two CPU ALFWorld runs: unseen success 40 -> 84 and 115 -> 126 of
-        672; docs/alfworld_demo.md). The mean is new weights, so ``policy_version`` is bumped; the AdamW state is
-        kept and the window starts again empty."""
-        n, mean = self.averaged_updates, self._average
-        self._average, self.averaged_updates = None, 0
-        if n >= 2:
-            self._replace_weights(mean)
+        """At the run's end: the weights become their mean over the window (a new ``policy_version``; AdamW state kept).
+        Returns how many updates it covered: 0 = averaging off, 1 = the mean is the weights, nothing changes."""
+        n = self.average.swap_into(self.model)
+        self.policy_version += n >= 2
         return n
-
-    def _replace_weights(self, mean: dict[str, Tensor]) -> None:
-        with torch.no_grad():
-            for k, p in self.model.named_parameters():
-                p.copy_(mean[k])
-        self.policy_version += 1
-
-    def _average_state(self) -> dict[str, Tensor] | None:
-        """The running mean as full CPU tensors (sharded: a collective over the ranks' shards)."""
-        if self._average is None:
-            return None
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
-                for k, v in self._average.items()}
-
-    def _load_average_state(self, full: dict[str, Tensor] | None, count: int) -> None:
-        self._average, self.averaged_updates = None, 0
-        if full is None:
-            return
-        params = dict(self.model.named_parameters())
-        if set(full) != set(params):
-            raise ValueError(f"checkpoint's weight average names {sorted(set(full) ^ set(params))[:5]} do not match "
-                             "the model's parameters")
-        out = {}
-        for k, p in params.items():
-            if hasattr(p, "device_mesh"):  # an FSDP2 DTensor parameter: shard the mean exactly like it
-                from torch.distributed.tensor import distribute_tensor
-
-                out[k] = distribute_tensor(full[k].to(device=p.device_mesh.device_type, dtype=p.dtype),
-                                           p.device_mesh, p.placements)
-            else:
-                out[k] = full[k].to(device=p.device, dtype=p.dtype).clone()
-        self._average, self.averaged_updates = out, int(count)
 
     # --- weights for rollout workers ------------------------------------------------------------------------------
     def export_weights(self, device="cpu", dtype: torch.dtype | None = None) -> dict[str, Tensor]:
@@ -422,8 +364,7 @@ class Learner:
             "step": self.step,
             "policy_version": self.policy_version,
             "consumed": sorted(self.consumed),
-            "weight_average": self._average_state(),
-            "averaged_updates": self.averaged_updates,
+            **self.average.state(),  # weight_average, averaged_updates
             "schedule": asdict(self.schedule),
             "config": json.dumps(asdict(self.config)),
             "rng": ckpt.rng_state(),
@@ -440,7 +381,7 @@ class Learner:
         self.step = int(state["step"])
         self.policy_version = int(state["policy_version"])
         self.consumed = set(state["consumed"])
-        self._load_average_state(state.get("weight_average"), state.get("averaged_updates", 0))  # absent: older files
+        self.average.load(self.model, state)
         ckpt.set_rng_state(state["rng"])
 
     def save(self, path) -> None:
