@@ -181,7 +181,12 @@ def _config_from_args(args, default_preset: str | None = None):
         pre.append(f"model.name={model}")
         from agentenv.models import is_tiny
 
-        if is_tiny(model) or model == "expert":
+        from agentenv.config import find_preset, read_yaml
+
+        preset_model = str((read_yaml(find_preset(str(preset))).get("model") or {}).get("name", ""))
+        # Resize only a paper preset: a preset already made for the CPU (demo, alfworld_demo) keeps its own lengths
+        # and eval plan when one tiny model is swapped for another.
+        if (is_tiny(model) or model == "expert") and not (is_tiny(preset_model) or preset_model == "expert"):
             pre += [f"{k}={v}" for k, v in TINY_CPU_OVERRIDES.items()]
     if getattr(args, "run_dir", None):
         pre.append(f"run.dir={args.run_dir}")

@@ -106,3 +106,17 @@ def test_a_weight_average_is_what_the_final_eval_and_final_model_hold(tmp_path, 
     # a window longer than the run (a smoke of a preset) averages every update, and the plan says how many
     assert main([*args[:-2], "--set", "algo.average_last_updates=12", "--dry-run"]) == 0
     assert "final weights = mean over the last 2" in capsys.readouterr().out
+
+
+def test_swapping_the_tiny_model_of_a_cpu_preset_keeps_its_plan():
+    """--model with another tiny size resizes a paper preset for the CPU, never a preset already made for it."""
+    from agentenv.cli import _config_from_args, build_parser
+
+    demo = _config_from_args(build_parser().parse_args(["run", "--preset", "alfworld_demo"]))
+    swapped = _config_from_args(build_parser().parse_args(
+        ["run", "--preset", "alfworld_demo", "--model", "tiny-bpe-alfworld:256x4"]))
+    assert swapped.model.name == "tiny-bpe-alfworld:256x4"
+    assert swapped.rollout.max_new_tokens == demo.rollout.max_new_tokens == 16
+    assert swapped.eval == demo.eval and swapped.algo == demo.algo
+    paper = _config_from_args(build_parser().parse_args(["run", "--env", "alfworld", "--model", "tiny"]))
+    assert paper.rollout.max_new_tokens == 128 and paper.loop.backend == "local" and paper.eval.episodes == 8
