@@ -179,11 +179,11 @@ def _config_from_args(args, default_preset: str | None = None):
     model = getattr(args, "model", None)
     if model:
         pre.append(f"model.name={model}")
+        from agentenv.config import find_preset, read_yaml
         from agentenv.models import is_tiny
 
-        from agentenv.config import find_preset, read_yaml
-
-        preset_model = str((read_yaml(find_preset(str(preset))).get("model") or {}).get("name", ""))
+        preset_model = read_yaml(find_preset(str(preset))).get("model")
+        preset_model = str(preset_model.get("name", "")) if isinstance(preset_model, dict) else ""
         # Resize only a paper preset: a preset already made for the CPU (demo, alfworld_demo) keeps its own lengths
         # and eval plan when one tiny model is swapped for another.
         if (is_tiny(model) or model == "expert") and not (is_tiny(preset_model) or preset_model == "expert"):
