@@ -53,13 +53,25 @@ def test_multi_turn_behavior_logprobs_match_forward(chatty_policy, temperature, 
                         sampling=SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=16))
     trajs = run_episodes(lambda: gym.make("agentenv/GuessNumber-v0"), chatty_policy, 3, cfg, seed=7)
     assert max(t.num_turns for t in trajs) >= 2
-    worst = 0.0
+    worst, where = 0.0, None
     for t in trajs:
         ref = reference_logprobs(chatty_policy.model, t.token_ids, temperature, top_p, top_k)
         for pos in range(1, len(t.token_ids)):
-            if t.action_mask[pos]:
-                worst = max(worst, abs(ref[pos - 1] - t.behavior_logprobs[pos]))
-    assert worst <= 1e-4, worst
+            if t.action_mask[pos] and abs(ref[pos - 1] - t.behavior_logprobs[pos]) > worst:
+                worst, where = abs(ref[pos - 1] - t.behavior_logprobs[pos]), (t, pos)
+    assert worst <= 1e-4, _mismatch_report(chatty_policy.model, *where, worst)
+
+
+def _mismatch_report(model, traj, pos, diff) -> str:
+    """What a failure needs to be told apart: a boundary tie (the k-th and next logits nearly equal) or a wrong
+    context (the sampled token's logit itself moved)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([traj.token_ids[:pos]])).logits[0, -1].float()
+    top = logits.topk(22).values
+    tok = traj.token_ids[pos]
+    return (f"behaviour log-prob off by {diff:.3g} at position {pos} of {len(traj.token_ids)} (token {tok}, rank "
+            f"{int((logits > logits[tok]).sum())}, turns {traj.num_turns}, finish {traj.finish_reason}); reference "
+            f"logits at ranks 19-22: {[round(float(v), 5) for v in top[18:]]}; behaviour {traj.behavior_logprobs[pos]:.6f}")
 
 
 def test_batched_requests_of_different_lengths_match_single(tiny_policy):
