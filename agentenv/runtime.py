@@ -242,8 +242,17 @@ def _with_budget(sp: SamplingParams, budget: int) -> SamplingParams:
     return SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=budget)
 
 
+class EpisodeCancelled(Exception):
+    """Raised inside an episode's generate / act call once its caller has given up on it (a loop's timeout, a
+    crashed worker, shutdown). The episode ends as a ``policy_error`` like any sampler failure, but it is the
+    caller's decision, not a fault: logged at INFO as a cancellation, and the caller discards the result."""
+
+
 def _fail(traj: Trajectory, reason: str, exc: BaseException, t_start: float) -> Trajectory:
-    log.warning("episode %s ended with %s: %s", traj.id[:8], reason, exc)
+    if isinstance(exc, EpisodeCancelled):
+        log.info("episode %s cancelled by its caller (%s); its result is discarded", traj.id[:8], exc)
+    else:
+        log.warning("episode %s ended with %s: %s", traj.id[:8], reason, exc)
     traj.finish_reason, traj.truncated, traj.success = reason, True, False
     traj.error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     traj.wall_time_s = time.perf_counter() - t_start

@@ -429,10 +429,14 @@ def test_an_episode_cancelled_while_sampling_never_steps_its_env_again(caplog):
                       cancel_grace_s=5.0)
     w.submit(0, Task(seed=1))
     assert thinking.wait(30)
-    with caplog.at_level(logging.WARNING, logger="agentenv.runtime"):
+    with caplog.at_level(logging.INFO, logger="agentenv.runtime"):
         w.cancel(0)
         release.set()
         assert w.close() == 0  # joins the episode thread and the closer
     assert envs[0].closed == 1 and StepCounting.steps == 0
     assert sink.empty() and w._pool == []
     assert not [r for r in caplog.records if "env_error" in r.getMessage()]
+    # A cancellation is the loop's decision, not a fault: one INFO line saying so, no "policy_error" warning.
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "agentenv.runtime"]
+    assert [lvl for lvl, m in said if "cancelled by its caller" in m] == [logging.INFO], said
+    assert not [m for lvl, m in said if lvl >= logging.WARNING], said

@@ -29,14 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agentenv.runtime import RolloutConfig, Task, run_episode
+from agentenv.runtime import EpisodeCancelled, RolloutConfig, Task, run_episode
 from agentenv.trajectory import Trajectory
 
 log = logging.getLogger("agentenv.trainer.workers")
-
-
-class EpisodeCancelled(Exception):
-    """Raised inside an episode's generate call once the loop has given up on it (timeout, crash, shutdown)."""
 
 
 class WorkerCrash(BaseException):
