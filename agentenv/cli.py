@@ -19,7 +19,7 @@ import time
 
 def _add_rollout(sub) -> None:
     p = sub.add_parser("rollout", help="run N episodes of a policy in an env and write trajectories to JSONL",
-                       description="Run episodes and write one trajectory per line (see agentenv.trajectory).")
+                       description="Run episodes and write one trajectory per line (see agentenv.core.trajectory).")
     p.add_argument("--env", required=True, help="env alias (guess, python, alfworld), gymnasium id, or MODULE:ENV_ID")
     p.add_argument("--model", default="tiny", help="'tiny', 'expert', a local checkpoint dir, or an alias like qwen2.5-7b")
     p.add_argument("--episodes", type=int, default=8)
@@ -66,12 +66,12 @@ def build_policy(model: str, env_id: str, *, seed: int = 0, backend: str = "hf")
         module, factory = EXPERTS[env_id].split(":")
         return getattr(importlib.import_module(module), factory)()
     if backend == "vllm":
-        from agentenv.models import resolve_model
-        from agentenv.vllm_policy import VLLMPolicy
+        from agentenv.samplers.models import resolve_model
+        from agentenv.samplers.vllm_policy import VLLMPolicy
 
         rm = resolve_model(model)
         return VLLMPolicy(rm.path, name=rm.name, seed=seed)
-    from agentenv.models import load_hf_policy
+    from agentenv.samplers.models import load_hf_policy
 
     return load_hf_policy(model, seed=seed)
 
@@ -83,11 +83,11 @@ def cmd_rollout(args) -> int:
 
     import agentenv  # noqa: F401  (registers envs)
     from agentenv.envs import spec
-    from agentenv.metrics import batch_metrics
-    from agentenv.models import ModelNotAvailable
-    from agentenv.policy import SamplingParams
-    from agentenv.runtime import RolloutConfig, Task, run_episodes
-    from agentenv.trajectory import JsonlWriter
+    from agentenv.core.metrics import batch_metrics
+    from agentenv.samplers.models import ModelNotAvailable
+    from agentenv.core.policy import SamplingParams
+    from agentenv.core.runtime import RolloutConfig, Task, run_episodes
+    from agentenv.core.trajectory import JsonlWriter
 
     try:
         env_id = spec.resolve(args.env)
@@ -154,7 +154,7 @@ TINY_CPU_OVERRIDES = {
 def _config_from_args(args, default_preset: str | None = None):
     """Preset (``--preset``; else the one the env declares; else the default for its kind), then the model
     choice, then ``--variant`` and ``--set``. ``--resume RUN`` starts from ``RUN/config.yaml`` instead."""
-    from agentenv.config import ConfigError, list_presets, load_config
+    from agentenv.core.config import ConfigError, list_presets, load_config
 
     env, pre = getattr(args, "env", None), []
     if getattr(args, "resume", None):
@@ -179,8 +179,8 @@ def _config_from_args(args, default_preset: str | None = None):
     model = getattr(args, "model", None)
     if model:
         pre.append(f"model.name={model}")
-        from agentenv.config import find_preset, read_yaml
-        from agentenv.models import is_tiny
+        from agentenv.core.config import find_preset, read_yaml
+        from agentenv.samplers.models import is_tiny
 
         preset_model = read_yaml(find_preset(str(preset))).get("model")
         preset_model = str(preset_model.get("name", "")) if isinstance(preset_model, dict) else ""
@@ -212,8 +212,8 @@ def _add_run(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    from agentenv.config import ConfigError
-    from agentenv.train import LaunchError, dry_run, run
+    from agentenv.core.config import ConfigError
+    from agentenv.run.train import LaunchError, dry_run, run
 
     try:
         cfg = _config_from_args(args)
@@ -252,9 +252,9 @@ def _add_demo(sub) -> None:
 
 
 def cmd_demo(args) -> int:
-    from agentenv.config import ConfigError
-    from agentenv.report import run_demo
-    from agentenv.train import LaunchError
+    from agentenv.core.config import ConfigError
+    from agentenv.run.report import run_demo
+    from agentenv.run.train import LaunchError
 
     preset = DEMO_PRESETS[args.env]
     args.env = None  # the demo preset names its env; --env only chose the preset
@@ -291,11 +291,11 @@ def _add_sft(sub) -> None:
 
 
 def cmd_sft(args) -> int:
-    from agentenv import demo
-    from agentenv.models import ModelNotAvailable
-    from agentenv.sft import (SFTConfig, demos_path, load_model_and_tokenizer, prepare_demos, save_checkpoint_dir,
+    from agentenv.run import demo
+    from agentenv.samplers.models import ModelNotAvailable
+    from agentenv.run.sft import (SFTConfig, demos_path, load_model_and_tokenizer, prepare_demos, save_checkpoint_dir,
                               train_sft)
-    from agentenv.trajectory import iter_jsonl
+    from agentenv.core.trajectory import iter_jsonl
 
     try:
         model, tok, _ = load_model_and_tokenizer(args.model)
@@ -346,7 +346,7 @@ def _add_plot(sub) -> None:
 
 
 def cmd_plot(args) -> int:
-    from agentenv.plot import plot_runs
+    from agentenv.run.plot import plot_runs
 
     try:
         out = plot_runs(args.run_dirs, args.out, title=args.title)
@@ -367,9 +367,9 @@ def cmd_list(args) -> int:
     import gymnasium as gym
 
     import agentenv  # noqa: F401
-    from agentenv.config import list_presets, preset_variants, read_yaml
+    from agentenv.core.config import list_presets, preset_variants, read_yaml
     from agentenv.envs import ENV_ALIASES, EXPERTS, spec
-    from agentenv.models import ALIASES
+    from agentenv.samplers.models import ALIASES
 
     if args.what in ("envs", "all"):
         print("environments (alias -> gymnasium id):")

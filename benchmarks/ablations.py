@@ -4,7 +4,7 @@ What it does (``python benchmarks/ablations.py``):
 
 1. ONE SFT warm start of the tool demo's tiny model (preset ``demo``: scripted demos, few use the python tool),
    shared by every run, so variants differ only in the RL algorithm and the seed.
-2. For every variant x seed: ``agentenv.train.run`` of the ``demo`` preset from that checkpoint with the SAME
+2. For every variant x seed: ``agentenv.run.train.run`` of the ``demo`` preset from that checkpoint with the SAME
    trajectory budget (``--updates`` x ``--batch``; GRPO's batch is ``batch/4`` prompts x 4 samples), writing an
    ordinary run directory (``metrics.jsonl``) under ``--runs-dir``.
 3. Curves per comparison (mean over seeds, band = min..max): success, tool-call rate, length (policy tokens per
@@ -98,8 +98,8 @@ def _run_one(job: tuple[list[str], str]) -> dict:
     """One training run in this process: the demo preset + overrides. Returns its wall time and summary."""
     sets, name = job
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from agentenv.config import load_config
-    from agentenv.train import run
+    from agentenv.core.config import load_config
+    from agentenv.run.train import run
 
     cfg = load_config("demo", [], sets)
     if cfg.run.dir and Path(cfg.run.dir).exists():  # a rerun replaces its own earlier run, never appends to it
@@ -115,9 +115,9 @@ def _run_one(job: tuple[list[str], str]) -> dict:
 
 def warm_start_once(study: Study, out: Path) -> tuple[str, float]:
     """The shared SFT checkpoint (reused when ``out`` already holds one from the same settings)."""
-    from agentenv.config import load_config
-    from agentenv.models import resolve_model
-    from agentenv.train import warm_start
+    from agentenv.core.config import load_config
+    from agentenv.samplers.models import resolve_model
+    from agentenv.run.train import warm_start
 
     cfg = load_config("demo", [], study.sft)
     stamp = out / "sft_settings.json"
@@ -135,7 +135,7 @@ def warm_start_once(study: Study, out: Path) -> tuple[str, float]:
 
 # --------------------------------------------------------------------------------------------------- analysis
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    from agentenv.metrics import read_metrics as read
+    from agentenv.core.metrics import read_metrics as read
 
     return [r for r in read(run_dir) if "event" not in r and not r.get("rolled_back")]
 
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     study = Study(args.updates, args.batch, list(args.seeds), list(args.variants), args.lag_queue, args.lag_concurrency,
                   sft=sft, threads=args.threads, final_window=min(args.final_window, args.updates))
 
-    from agentenv.config import load_config
+    from agentenv.core.config import load_config
 
     study.model = load_config("demo", [], sft).model.name
     if args.report_only:  # rebuild the report from finished runs already under --runs-dir (e.g. a study cut short)

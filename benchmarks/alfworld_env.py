@@ -7,7 +7,7 @@ DIR defaults to ``$ALFWORLD_DATA``; without either the shipped 24-game sample is
   same game, and every step of its walkthrough; printed as wall mean / median / max and mean process CPU time
   (the env's own cost when other jobs share the cores).
 * Eval: the expert (:class:`agentenv.envs.alfworld_expert.ALFWorldExpert`) plays every game of each split k times
-  through :func:`agentenv.envs.alfworld.evaluate`, i.e. through :mod:`agentenv.runtime`; prints success overall and
+  through :func:`agentenv.envs.alfworld.evaluate`, i.e. through :mod:`agentenv.core.runtime`; prints success overall and
   per task type, and exits non-zero unless every game was won.
 """
 

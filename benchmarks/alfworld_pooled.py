@@ -15,7 +15,7 @@ Two modes:
       pools evaluations that already exist (each ``--before`` at update 0, each ``--after`` at its last evaluated
       update or at ``--update``).
 
-Pooling (agentenv.report): per game, successes and episodes are summed over the warm start's evaluations and over
+Pooling (agentenv.run.report): per game, successes and episodes are summed over the warm start's evaluations and over
 the runs' final ones; the change is the mean over games of (after rate - before rate). Two intervals are printed:
 runs pooled as one policy (bootstrap over games, :func:`paired_difference_interval`) and runs then games resampled
 (:func:`runs_and_tasks_interval`), which also carries the run-to-run spread; with three or more runs, read the second.
@@ -39,7 +39,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from agentenv.report import paired_difference_interval, pool_task_successes, runs_and_tasks_interval
+from agentenv.run.report import paired_difference_interval, pool_task_successes, runs_and_tasks_interval
 
 SMOKE_SETS = ["loop.batch_size=2", "loop.concurrency=2", "eval.episodes=2", "env.num_tasks=4", "run.threads=2"]
 
@@ -115,8 +115,8 @@ def write_report(out: Path, res: dict, settings: dict) -> None:
 
 def _run(sets: list[str], *, eval_only: bool = False) -> float:
     """One `agentenv run --preset alfworld_demo` in this process; returns its wall time."""
-    from agentenv.config import load_config
-    from agentenv.train import run
+    from agentenv.core.config import load_config
+    from agentenv.run.train import run
 
     cfg = load_config("alfworld_demo", [], sets)
     t0 = time.perf_counter()

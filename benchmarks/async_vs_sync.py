@@ -34,11 +34,11 @@ from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
-from agentenv.config import LoopConfig
+from agentenv.core.config import LoopConfig
 from agentenv.trainer.loop import Trainer
 
-from agentenv.policy import SamplingParams
-from agentenv.runtime import RolloutConfig, Task
+from agentenv.core.policy import SamplingParams
+from agentenv.core.runtime import RolloutConfig, Task
 
 _LAT_LOCK = threading.Lock()
 LATENCIES: list[float] = []
@@ -119,7 +119,7 @@ def policy_factory(args):
         from agentenv.trainer.backends import HFPolicyFactory
 
         return HFPolicyFactory(args.model, seed=0, device="cpu" if args.cpu else None, dtype="float32")
-    from agentenv.vllm_policy import VLLMPolicyFactory
+    from agentenv.samplers.vllm_policy import VLLMPolicyFactory
 
     kv = dict(kv_cache_gb=1.0, enforce_eager=True) if args.cpu else {}
     return VLLMPolicyFactory(args.model, seed=0, dtype="float32" if args.cpu else "bfloat16",
@@ -134,7 +134,7 @@ def chatty_checkpoint(name: str, out: Path, turn_tokens: float) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentenv.models import resolve_model
+    from agentenv.samplers.models import resolve_model
 
     path = resolve_model(name).path
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -226,7 +226,7 @@ def main() -> None:
 
     args.cpu = not torch.cuda.is_available()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    logging.getLogger("agentenv.runtime").setLevel(logging.ERROR)  # episodes cancelled at shutdown are expected
+    logging.getLogger("agentenv.core.runtime").setLevel(logging.ERROR)  # episodes cancelled at shutdown are expected
 
     slots = args.workers * args.concurrency
     print(f"workers={args.workers} concurrency={args.concurrency} (slots={slots}) batch={slots} G={args.group_size} "

@@ -54,9 +54,9 @@ def logprob_memory(hidden: int = 896, token_counts=(4096, 16384, 32768), chunk: 
 
 
 def learner_bf16() -> None:
-    from agentenv.tiny import TinyConfig, tiny_model
+    from agentenv.samplers.tiny import TinyConfig, tiny_model
     from agentenv.trainer.learner import Learner, LearnerConfig
-    from agentenv.trajectory import Trajectory
+    from agentenv.core.trajectory import Trajectory
 
     torch.manual_seed(0)
     base = tiny_model(TinyConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4))
@@ -90,10 +90,10 @@ def learner_bf16() -> None:
 
 
 def sampler_cuda() -> None:
-    from agentenv.hf_policy import HFPolicy
-    from agentenv.policy import GenerationRequest, SamplingParams
-    from agentenv.processing import processed_logprobs
-    from agentenv.tiny import TinyConfig, qwen_tokenizer, tiny_model
+    from agentenv.samplers.hf_policy import HFPolicy
+    from agentenv.core.policy import GenerationRequest, SamplingParams
+    from agentenv.core.processing import processed_logprobs
+    from agentenv.samplers.tiny import TinyConfig, qwen_tokenizer, tiny_model
 
     print("[3] HFPolicy on CUDA: behaviour log-probs vs an independent float32 forward")
     tok = qwen_tokenizer()

@@ -7,7 +7,7 @@ What it does:
 
 1. Builds a RANDOMLY initialised model with Qwen2.5-1.5B's shape (``Qwen2Config`` only: 28 layers, hidden 1536,
    12 query / 2 KV heads, MLP 8960, vocabulary 151,936, tied embeddings; no weights are downloaded) and the
-   Qwen2.5 tokenizer from :mod:`agentenv.tiny`, saved in bfloat16 to a temporary directory.
+   Qwen2.5 tokenizer from :mod:`agentenv.samplers.tiny`, saved in bfloat16 to a temporary directory.
 2. Runs ``agentenv run`` (a subprocess, the CLI a user runs) on ALFWorld (the shipped sample's train split unless
    ``$ALFWORLD_DATA`` points at the full games) and on the Python-tool task, ``--updates`` updates each, with
    ``model.backend=vllm``, the local loop backend, ``launch.vllm_gpu_memory_utilization`` / ``launch.vllm_sleep``
@@ -93,7 +93,7 @@ def build_model(out: Path, seed: int = 0) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from agentenv.tiny import qwen_tokenizer
+    from agentenv.samplers.tiny import qwen_tokenizer
 
     torch.manual_seed(seed)
     tok = qwen_tokenizer()
@@ -338,7 +338,7 @@ def main() -> int:
 def _model_of(run_dir: Path) -> str:
     import yaml
 
-    from agentenv.models import resolve_model
+    from agentenv.samplers.models import resolve_model
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     return resolve_model(cfg["model"]["name"]).path

@@ -63,8 +63,8 @@ def full_update(batch_size: int, seq_len: int) -> None:
 
     import torch
 
-    from agentenv.tiny import TinyConfig, tiny_model
-    from agentenv.trajectory import Trajectory
+    from agentenv.samplers.tiny import TinyConfig, tiny_model
+    from agentenv.core.trajectory import Trajectory
     from agentenv.trainer import Learner, LearnerConfig
 
     rng = random.Random(0)

@@ -17,7 +17,7 @@ import torch
 
 
 def trajectories(model, n, seed):
-    from agentenv.trajectory import Trajectory
+    from agentenv.core.trajectory import Trajectory
 
     rng = random.Random(seed)
     out = []
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-6)
     args = ap.parse_args()
-    from agentenv.tiny import TinyConfig, tiny_model
+    from agentenv.samplers.tiny import TinyConfig, tiny_model
 
     model = tiny_model(TinyConfig(vocab="small"))
     for label, fp32 in (("bf16 master weights (old)", False), ("fp32 master weights, bf16 compute", True)):

@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from agentenv.hf_policy import HFPolicy
-from agentenv.models import resolve_model
-from agentenv.policy import GenerationRequest, SamplingParams
+from agentenv.samplers.hf_policy import HFPolicy
+from agentenv.samplers.models import resolve_model
+from agentenv.core.policy import GenerationRequest, SamplingParams
 
 
 def play(policy: HFPolicy, episodes: int, turns: int, obs_tokens: int, first: int) -> tuple[float, int, list]:

@@ -13,9 +13,9 @@ import argparse
 import statistics
 import time
 
-from agentenv.chat import ChatSequence
-from agentenv.policy import Generation
-from agentenv.tiny import qwen_tokenizer
+from agentenv.core.chat import ChatSequence
+from agentenv.core.policy import Generation
+from agentenv.samplers.tiny import qwen_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code and return stdout.",
                                            "parameters": {"type": "object", "properties": {"code": {"type": "string"}},

@@ -45,7 +45,7 @@ Contract
   ``success``. With ``expert=True`` it also has ``expert_action``: the next command of the game's stored walkthrough
   while the episode's game state is the one the walkthrough expects, else of a fresh plan from TextWorld's PDDL
   planner (fast-downward) for the current state. :mod:`agentenv.envs.alfworld_expert` plays it.
-* :func:`evaluate` plays every game of a split ``k`` times with a :class:`~agentenv.policy.TextPolicy` and reports
+* :func:`evaluate` plays every game of a split ``k`` times with a :class:`~agentenv.core.policy.TextPolicy` and reports
   success overall and per task type.
 """
 
@@ -186,7 +186,7 @@ def builtin_root(name: str) -> Path:
     import hashlib
     import tarfile
 
-    from agentenv.cache import atomic_dir, cache_dir
+    from agentenv.core.cache import atomic_dir, cache_dir
 
     if not DEMO_ARCHIVE.is_file():
         raise ALFWorldDataError(f"the shipped demo games {DEMO_ARCHIVE} are missing (a broken install?)")
@@ -728,9 +728,9 @@ class ALFWorldEnv(TextEnv):
 
 # ------------------------------------------------------------------------------------------------------ evaluation
 def evaluation_tasks(split: str, k: int = 1, data_dir: str | os.PathLike | None = None, task_types: Iterable[str] | None = None) -> list:
-    """Every game of ``split`` ``k`` times, in the split's sorted order: runtime :class:`~agentenv.runtime.Task`
+    """Every game of ``split`` ``k`` times, in the split's sorted order: runtime :class:`~agentenv.core.runtime.Task`
     objects with ``options={"game": index}`` and ``meta={"game": index, "sample": j}``."""
-    from agentenv.runtime import Task
+    from agentenv.core.runtime import Task
 
     if k < 1:
         raise ValueError(f"k (samples per game) must be >= 1, got {k}")
@@ -762,15 +762,15 @@ def evaluate(
     rollout_config=None,
     progress: bool = False,
 ) -> dict:
-    """Play every game of each split ``k`` times with ``policy`` through :mod:`agentenv.runtime` and return
+    """Play every game of each split ``k`` times with ``policy`` through :mod:`agentenv.core.runtime` and return
     ``{split: success_report(...) + {"trajectories": [...], "wall_time_s": ...}}``.
 
-    ``policy`` is a token-level :class:`~agentenv.policy.Policy` or a :class:`~agentenv.policy.TextPolicy`; a policy
+    ``policy`` is a token-level :class:`~agentenv.core.policy.Policy` or a :class:`~agentenv.core.policy.TextPolicy`; a policy
     with an ``env_kwargs`` attribute (the expert's ``{"expert": True}``) gets those passed to the env. The runtime's
     turn limit is set above the env's, so the env's ``max_turns`` is the one that ends episodes."""
     import time
 
-    from agentenv.runtime import RolloutConfig, run_episodes
+    from agentenv.core.runtime import RolloutConfig, run_episodes
 
     cfg = rollout_config or RolloutConfig()
     cfg.max_turns, cfg.concurrency = max(cfg.max_turns, max_turns + 1), concurrency

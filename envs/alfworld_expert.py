@@ -1,4 +1,4 @@
-"""The ALFWorld expert: a non-LLM :class:`~agentenv.policy.TextPolicy` that plays ``info["expert_action"]``.
+"""The ALFWorld expert: a non-LLM :class:`~agentenv.core.policy.TextPolicy` that plays ``info["expert_action"]``.
 
 Contract: ``ALFWorldExpert().act(messages, info)`` returns ``"<action>COMMAND</action>"`` (``"<action>N</action>"``, the
 command's list number, when ``info["numbered_actions"]``) for the command that the env

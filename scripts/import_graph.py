@@ -1,7 +1,11 @@
-"""Print the import graph of agentenv's packages (module-level AND function-level imports) and its cycles.
+"""Print the import graph of agentenv's packages (module-level AND function-level imports), its layers and cycles.
 
-``python scripts/import_graph.py [trainer]`` prints ``module -> imports`` for every module (or only those under the
-given top-level folder) and exits 1 if any cycle exists. tests/test_import_graph.py runs the same check.
+``python scripts/import_graph.py [trainer]`` prints the layer order, then ``module -> imports`` for every module (or
+only those under the given top-level folder), and exits 1 if any cycle exists or a layer imports one above it.
+tests/test_import_graph.py runs the same checks.
+
+The layers, lowest first (a module may import its own layer and those below, never above):
+core <- sandboxes <- envs <- samplers <- trainer <- run <- cli.
 """
 
 from __future__ import annotations
@@ -15,12 +19,42 @@ PACKAGES = {"agentenv": "agentenv", "trainer": "agentenv.trainer", "envs": "agen
             "sandboxes": "agentenv.sandboxes", "configs": "agentenv.configs"}
 
 
+# `agentenv` (the root __init__, which only registers the envs) and `configs` (YAML data) sit outside the layers.
+LAYERS = ["agentenv.core", "agentenv.sandboxes", "agentenv.envs", "agentenv.samplers", "agentenv.trainer",
+          "agentenv.run", "agentenv.cli"]
+
+
 def modules() -> dict[str, Path]:
     out = {}
     for folder, pkg in PACKAGES.items():
-        for p in sorted((ROOT / folder).glob("*.py")):
-            out[pkg if p.stem == "__init__" else f"{pkg}.{p.stem}"] = p
+        base = ROOT / folder
+        # agentenv/ holds the layer sub-packages; the other top-level folders are installed as their own packages
+        for p in sorted(base.rglob("*.py") if folder == "agentenv" else base.glob("*.py")):
+            parts = [pkg, *p.relative_to(base).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = p
     return out
+
+
+def layer(module: str) -> int | None:
+    """Index of the module's layer in LAYERS (None outside them)."""
+    for i, name in enumerate(LAYERS):
+        if module == name or module.startswith(name + "."):
+            return i
+    return None
+
+
+def layer_violations(g: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a lower layer imports a higher one."""
+    out = []
+    for m, deps in g.items():
+        lm = layer(m)
+        for d in deps:
+            ld = layer(d)
+            if lm is not None and ld is not None and ld > lm:
+                out.append((m, d))
+    return sorted(out)
 
 
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
@@ -84,6 +118,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 if __name__ == "__main__":
     g = graph()
+    print("layers: " + " <- ".join(name.removeprefix("agentenv.") for name in LAYERS))
     only = PACKAGES.get(sys.argv[1]) if len(sys.argv) > 1 else None
     for m in sorted(g):
         if only is None or m.startswith(only + ".") or m == only:
@@ -92,4 +127,7 @@ if __name__ == "__main__":
     found = cycles(g)
     for c in found:
         print("CYCLE:", " <-> ".join(c))
-    sys.exit(1 if found else 0)
+    upward = layer_violations(g)
+    for m, d in upward:
+        print(f"LAYER: {m} imports {d}, a layer above it")
+    sys.exit(1 if found or upward else 0)

@@ -14,7 +14,7 @@ types once through the runtime, with the demo preset's env settings and turn lim
   ones do, only its luck ran out; keeping only wins would teach where the objects were (``--keep won``).
 
 Those plays are text (messages); the SFT warm start tokenizes them with the model's own tokenizer and chat glue,
-exactly as the runtime would (``agentenv.sft.prepare_demos``), and ``tests/test_miniature.py`` replays some of them
+exactly as the runtime would (``agentenv.run.sft.prepare_demos``), and ``tests/test_miniature.py`` replays some of them
 against the env to prove the shipped text is still what the env says. The tarball is deterministic (sorted members,
 zero mtimes and owners), so rebuilding from the same data gives the same bytes and the same cache key.
 """
@@ -94,7 +94,7 @@ def _play(args) -> list[dict]:
     import agentenv  # noqa: F401  (registers the envs)
     from agentenv.envs.alfworld_expert import ALFWorldExpert
     from agentenv.envs.alfworld_searcher import ALFWorldSearcher
-    from agentenv.runtime import RolloutConfig, Task, run_episodes
+    from agentenv.core.runtime import RolloutConfig, Task, run_episodes
 
     root, preset, player, index = args
     policy = ALFWorldSearcher(order="random") if player == "searcher" else ALFWorldExpert()

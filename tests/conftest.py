@@ -10,14 +10,14 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 @pytest.fixture(scope="session")
 def qwen_tok():
-    from agentenv.tiny import qwen_tokenizer
+    from agentenv.samplers.tiny import qwen_tokenizer
 
     return qwen_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def tiny_policy():
-    from agentenv.models import load_hf_policy
+    from agentenv.samplers.models import load_hf_policy
 
     return load_hf_policy("tiny", seed=0, device="cpu")
 

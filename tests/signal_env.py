@@ -34,8 +34,8 @@ class ShortTurnTinyFactory:
     def __call__(self, worker_index: int = 0):
         import copy
 
-        from agentenv.hf_policy import HFPolicy
-        from agentenv.models import load_hf_policy
+        from agentenv.samplers.hf_policy import HFPolicy
+        from agentenv.samplers.models import load_hf_policy
 
         if self.shared is None:
             pol = load_hf_policy("tiny", seed=worker_index, device="cpu")
@@ -57,7 +57,7 @@ def two_token_model_dir(out) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
     import agentenv  # noqa: F401
-    from agentenv.models import resolve_model
+    from agentenv.samplers.models import resolve_model
 
     path = resolve_model("tiny").path
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)

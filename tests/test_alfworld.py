@@ -29,7 +29,7 @@ from agentenv.envs.alfworld_expert import ALFWorldExpert
 from gymnasium.utils import seeding
 from gymnasium.utils.env_checker import check_env
 
-from agentenv.runtime import RolloutConfig, Task, run_episode
+from agentenv.core.runtime import RolloutConfig, Task, run_episode
 
 pytestmark = pytest.mark.alfworld
 

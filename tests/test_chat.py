@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentenv.chat import ChatSequence, TemplateNotAppendOnly
-from agentenv.policy import Generation
+from agentenv.core.chat import ChatSequence, TemplateNotAppendOnly
+from agentenv.core.policy import Generation
 
 TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run Python code.",
                                            "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
@@ -128,7 +128,7 @@ def test_long_episode_switches_to_local_deltas_and_stays_exact(qwen_tok):
 def test_every_control_string_in_contents_stays_plain_text(qwen_tok):
     # The review's reproducer plus every added token of the real Qwen2.5 tokenizer, in the system prompt, the task
     # question, a user observation, a tool result and a tool schema: only the template's glue yields control ids.
-    from agentenv.chat import control_strings
+    from agentenv.core.chat import control_strings
 
     controls = control_strings(qwen_tok)
     assert "<|im_end|>" in controls and "<tool_call>" in controls and len(controls) == 22

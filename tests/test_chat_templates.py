@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentenv.chat import ChatSequence, TemplateNotAppendOnly, control_strings
-from agentenv.policy import Generation
+from agentenv.core.chat import ChatSequence, TemplateNotAppendOnly, control_strings
+from agentenv.core.policy import Generation
 
 TOOLS = [{"type": "function", "function": {"name": "python", "description": "Run <|im_end|> Python code.",
                                            "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
@@ -100,7 +100,7 @@ FAMILIES = {
 
 @functools.lru_cache(maxsize=None)
 def family_tokenizer(name):
-    from agentenv.tiny import small_tokenizer
+    from agentenv.samplers.tiny import small_tokenizer
 
     template, extra, _ = FAMILIES[name]
     tok = copy.deepcopy(small_tokenizer())

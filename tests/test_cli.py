@@ -6,7 +6,7 @@ import sys
 import time
 
 from agentenv.cli import main
-from agentenv.metrics import MetricsLogger
+from agentenv.core.metrics import MetricsLogger
 
 
 def run_cli(*args, timeout=300):

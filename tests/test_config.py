@@ -2,7 +2,7 @@
 
 import pytest
 
-from agentenv.config import ConfigError, list_presets, load_config, parse_override, preset_variants
+from agentenv.core.config import ConfigError, list_presets, load_config, parse_override, preset_variants
 
 
 def test_presets_exist_and_validate():

@@ -2,8 +2,8 @@
 
 import json
 
-from agentenv.config import load_config
-from agentenv.report import run_demo
+from agentenv.core.config import load_config
+from agentenv.run.report import run_demo
 
 
 def test_demo_two_updates(tmp_path):
@@ -13,7 +13,7 @@ def test_demo_two_updates(tmp_path):
         "env.num_tasks=8", "rollout.max_new_tokens=8", "run.tensorboard=false"])
     lines = []
     assert run_demo(cfg, progress=False, echo=lines.append) == 0
-    from agentenv.metrics import read_metrics
+    from agentenv.core.metrics import read_metrics
 
     recs = read_metrics(tmp_path)  # the update rows (the shutdown summary is an event row)
     assert [r["update"] for r in recs] == [1, 2]

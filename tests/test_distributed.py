@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from agentenv.trajectory import Trajectory
+from agentenv.core.trajectory import Trajectory
 from agentenv.trainer import Learner, LearnerConfig
 from agentenv.trainer.distributed import ShardedLearner
 from agentenv.trainer.model_io import load_learner_model
@@ -24,7 +24,7 @@ VOCAB = 97
 def model_dir(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from agentenv.tiny import small_tokenizer
+    from agentenv.samplers.tiny import small_tokenizer
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -7,8 +7,8 @@ import gymnasium as gym
 import pytest
 import torch
 
-from agentenv.policy import GenerationRequest, SamplingParams
-from agentenv.runtime import RolloutConfig, run_episodes
+from agentenv.core.policy import GenerationRequest, SamplingParams
+from agentenv.core.runtime import RolloutConfig, run_episodes
 
 
 def reference_logprobs(model, token_ids, temperature, top_p, top_k):
@@ -30,7 +30,7 @@ def reference_logprobs(model, token_ids, temperature, top_p, top_k):
 def _clone(policy):
     import copy
 
-    from agentenv.hf_policy import HFPolicy
+    from agentenv.samplers.hf_policy import HFPolicy
 
     return HFPolicy(copy.deepcopy(policy.model), policy.tokenizer, name=policy.name, model_path=policy.model_path)
 
@@ -132,7 +132,7 @@ def test_load_weights_is_strict_and_keeps_the_version_on_mismatch(tiny_policy):
 def test_stop_ids_include_every_generation_config_eos(tiny_policy):
     import copy
 
-    from agentenv.hf_policy import HFPolicy
+    from agentenv.samplers.hf_policy import HFPolicy
 
     model = copy.deepcopy(tiny_policy.model)
     tok = tiny_policy.tokenizer
@@ -148,7 +148,7 @@ def test_prefix_cache_runs_only_the_new_tokens_and_never_outlives_the_weights(ch
     key/value of the old weights would mix two policy versions in one generation)."""
     import copy
 
-    from agentenv.hf_policy import HFPolicy
+    from agentenv.samplers.hf_policy import HFPolicy
 
     tok = chatty_policy.tokenizer
     fresh = lambda cache: HFPolicy(copy.deepcopy(chatty_policy.model), tok, seed=3,  # noqa: E731
@@ -182,7 +182,7 @@ def test_fast_decode_draws_what_the_plain_transformers_path_draws(chatty_policy)
     float rounding) over multi-turn, mixed-length batches that hit the prefix cache, at two sampling settings."""
     import copy
 
-    from agentenv.hf_policy import GQA_DECODE, HFPolicy
+    from agentenv.samplers.hf_policy import GQA_DECODE, HFPolicy
 
     tok = chatty_policy.tokenizer
     fast = HFPolicy(copy.deepcopy(chatty_policy.model), tok, seed=11)
@@ -210,7 +210,7 @@ def test_a_seeded_request_draws_the_same_whatever_it_is_batched_with(chatty_poli
     and the recorded log-probs are still those of a full forward under the processing."""
     import copy
 
-    from agentenv.hf_policy import HFPolicy
+    from agentenv.samplers.hf_policy import HFPolicy
 
     tok = chatty_policy.tokenizer
     policy = HFPolicy(copy.deepcopy(chatty_policy.model), tok, seed=0)
@@ -247,7 +247,7 @@ def test_seeded_draws_follow_the_processed_distribution(tiny_policy):
 def test_seeded_episodes_replay_whatever_the_concurrency(chatty_policy):
     """Episodes with a ``Task.sampling_seed`` are the same token for token whether they run one at a time or three
     at once (batched differently every turn): what evaluation relies on to pair two evaluations' draws."""
-    from agentenv.runtime import Task
+    from agentenv.core.runtime import Task
 
     def play(concurrency):
         cfg = RolloutConfig(max_turns=3, max_total_tokens=400, concurrency=concurrency,
@@ -266,7 +266,7 @@ def test_non_finite_logits_are_a_clear_error(chatty_policy):
     than drawing an out-of-range id; the runtime records it as the episode's policy_error."""
     import copy
 
-    from agentenv.hf_policy import HFPolicy
+    from agentenv.samplers.hf_policy import HFPolicy
 
     model = copy.deepcopy(chatty_policy.model)
     with torch.no_grad():
@@ -295,16 +295,16 @@ def test_evaluation_on_two_samplers_plays_what_one_plays(chatty_policy):
     """eval.samplers=2 deals the plays to the policy and a replica on two threads: every seeded play is the same
     episode token for token (to float rounding: see below), the summary is the same, and the process's torch threads
     are restored."""
-    from agentenv.config import ConfigError, load_config
-    from agentenv.evaluation import _play, evaluate
-    from agentenv.runtime import mix_seed
+    from agentenv.core.config import ConfigError, load_config
+    from agentenv.run.evaluation import _play, evaluate
+    from agentenv.core.runtime import mix_seed
 
     def cfg(samplers):
         return load_config("text_env", overrides=[
             "env.id=guess", "env.num_tasks=3", "eval.samples=2", "rollout.max_turns=3", "rollout.max_new_tokens=16",
             "rollout.max_total_tokens=400", f"eval.samplers={samplers}"])
 
-    from agentenv.episodes import task_list
+    from agentenv.run.episodes import task_list
 
     def plays(samplers):
         tasks = task_list(cfg(samplers), None, samples=2)

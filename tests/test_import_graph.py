@@ -1,5 +1,6 @@
-"""The package has no import cycles, including hidden ones (imports inside functions count too), and no module in
-``trainer/`` grows past ~400 lines (the loop is wiring; each part is one idea)."""
+"""The package has no import cycles, including hidden ones (imports inside functions count too); its layers import
+only downwards (core <- sandboxes <- envs <- samplers <- trainer <- run <- cli); and no module in ``trainer/`` grows
+past ~400 lines (the loop is wiring; each part is one idea)."""
 
 import importlib.util
 from pathlib import Path
@@ -19,6 +20,19 @@ def test_no_import_cycles_anywhere():
 def test_the_checker_finds_a_cycle_through_a_function_level_import():
     g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_graph.cycles(g) == [["a", "b", "c"]]
+
+
+def test_layers_import_only_downwards():
+    g = import_graph.graph()
+    assert {"agentenv.core.runtime", "agentenv.samplers.hf_policy", "agentenv.run.train", "agentenv.cli"} <= set(g)
+    assert all(import_graph.layer(m) is not None for m in g if m not in ("agentenv", "agentenv.configs")), \
+        [m for m in g if import_graph.layer(m) is None]
+    assert import_graph.layer_violations(g) == []
+
+
+def test_the_checker_finds_an_upward_import():
+    g = {"agentenv.core.runtime": {"agentenv.samplers.hf_policy"}, "agentenv.run.train": {"agentenv.core.runtime"}}
+    assert import_graph.layer_violations(g) == [("agentenv.core.runtime", "agentenv.samplers.hf_policy")]
 
 
 def test_trainer_modules_stay_small():

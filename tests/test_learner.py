@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from agentenv.tiny import QWEN25_VOCAB_SIZE, TinyConfig, tiny_model
-from agentenv.trajectory import Trajectory
+from agentenv.samplers.tiny import QWEN25_VOCAB_SIZE, TinyConfig, tiny_model
+from agentenv.core.trajectory import Trajectory
 from agentenv.trainer import Learner, LearnerConfig, collate, microbatches, token_log_probs
 from agentenv.trainer import checkpoint as ckpt
 from agentenv.trainer.schedule import Schedule, constant, cosine_with_min_lr
@@ -388,7 +388,7 @@ def test_sampling_temperature_must_match(base):
 
 
 def test_learner_config_defaults_equal_the_run_config_defaults():
-    from agentenv.config import AlgoConfig
+    from agentenv.core.config import AlgoConfig
 
     algo = AlgoConfig()
     shared = {f.name for f in dataclasses.fields(LearnerConfig)} & set(AlgoConfig.model_fields)
@@ -402,7 +402,7 @@ def test_learner_config_defaults_equal_the_run_config_defaults():
 
 
 def test_learner_config_from_reads_every_section_it_names():
-    from agentenv.config import load_config
+    from agentenv.core.config import load_config
     from agentenv.trainer import learner_config_from
 
     cfg = load_config("python_tool", overrides=["algo.delta=0.02", "algo.constant_length=6144", "algo.no_is=true",
@@ -439,7 +439,7 @@ def test_bf16_model_keeps_float32_master_weights_that_learn_at_the_papers_lr(bas
 def test_save_pretrained_writes_a_loadable_float32_model_with_its_tokenizer(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentenv.tiny import materialize_tiny
+    from agentenv.samplers.tiny import materialize_tiny
     from agentenv.trainer.model_io import load_learner_model
 
     src = materialize_tiny(TinyConfig(**SHAPE, seed=3, vocab="small"))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from agentenv.tiny import QWEN25_VOCAB_SIZE, TinyConfig, tiny_model
+from agentenv.samplers.tiny import QWEN25_VOCAB_SIZE, TinyConfig, tiny_model
 from agentenv.trainer.logprobs import chunked_log_probs, naive_log_probs, token_log_probs
 
 V = QWEN25_VOCAB_SIZE

@@ -13,15 +13,15 @@ import time
 
 import gymnasium as gym
 import pytest
-from agentenv.config import LoopConfig
+from agentenv.core.config import LoopConfig
 from agentenv.trainer.backends import GymEnvFactory
 from agentenv.trainer.dispatch import PromptSampler
 from agentenv.trainer.loop import Trainer
 from agentenv.trainer.workers import WorkerCrash
 from signal_env import CoinEnvFactory, ShortTurnTinyFactory
 
-from agentenv.policy import SamplingParams
-from agentenv.runtime import RolloutConfig, Task
+from agentenv.core.policy import SamplingParams
+from agentenv.core.runtime import RolloutConfig, Task
 
 torch = pytest.importorskip("torch")
 
@@ -31,7 +31,7 @@ def tiny():
     """The tiny model and tokenizer, loaded once (from_pretrained costs seconds); tests deep-copy the weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentenv.models import resolve_model
+    from agentenv.samplers.models import resolve_model
 
     path = resolve_model("tiny").path
     return (AutoModelForCausalLM.from_pretrained(path, local_files_only=True),
@@ -50,7 +50,7 @@ class LongTurnTinyFactory:
         self.tiny = tiny
 
     def __call__(self, worker_index=0):
-        from agentenv.hf_policy import HFPolicy
+        from agentenv.samplers.hf_policy import HFPolicy
 
         model, tok, path = self.tiny
         return HFPolicy(copy.deepcopy(model), tok, name="tiny", model_path=path, seed=worker_index, device="cpu")
@@ -145,7 +145,7 @@ def test_async_runs_updates_measures_lag_and_writes_logs(tiny, tmp_path):
     # logs: one metrics line per update (+ shutdown), every consumed trajectory with its versions and status
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x.get("update") for x in lines[:4]] == [1, 2, 3, 4] and lines[-1]["event"] == "shutdown"
-    from agentenv.trajectory import read_jsonl
+    from agentenv.core.trajectory import read_jsonl
 
     trajs = read_jsonl(tmp_path / "trajectories.jsonl")
     used = [t for t in trajs if t.meta["loop"]["status"] in ("trained", "rejected")]
@@ -318,7 +318,7 @@ def test_sync_grpo_waits_for_whole_groups(tiny, tmp_path):
     assert s["updates"] == 2 and learner.step == 2
     assert all(m["lag_max"] == 0 for m in seen)  # on-policy: nothing is generated while the learner runs
     books_balance(s)
-    from agentenv.trajectory import read_jsonl
+    from agentenv.core.trajectory import read_jsonl
 
     used = [t for t in read_jsonl(tmp_path / "trajectories.jsonl") if t.meta["loop"]["status"] == "trained"]
     for u in (1, 2):
@@ -346,8 +346,8 @@ def test_cancel_racing_an_episode_finish_never_pools_a_closed_env():
     cancel() arrives before the worker settles it. The env must be closed exactly once and never reused."""
     import queue as _queue
 
-    from agentenv.policy import SamplingParams as SP
-    from agentenv.runtime import RolloutConfig as RC
+    from agentenv.core.policy import SamplingParams as SP
+    from agentenv.core.runtime import RolloutConfig as RC
     from agentenv.trainer.workers import RolloutWorker
 
     class Scripted:  # a text policy: the race is in the worker, not the model
@@ -397,8 +397,8 @@ def test_an_episode_cancelled_while_sampling_never_steps_its_env_again(caplog):
     import logging
     import queue as _queue
 
-    from agentenv.policy import SamplingParams as SP
-    from agentenv.runtime import RolloutConfig as RC
+    from agentenv.core.policy import SamplingParams as SP
+    from agentenv.core.runtime import RolloutConfig as RC
     from agentenv.trainer.workers import RolloutWorker
 
     thinking, release = threading.Event(), threading.Event()
@@ -429,7 +429,7 @@ def test_an_episode_cancelled_while_sampling_never_steps_its_env_again(caplog):
                       cancel_grace_s=5.0)
     w.submit(0, Task(seed=1))
     assert thinking.wait(30)
-    with caplog.at_level(logging.INFO, logger="agentenv.runtime"):
+    with caplog.at_level(logging.INFO, logger="agentenv.core.runtime"):
         w.cancel(0)
         release.set()
         assert w.close() == 0  # joins the episode thread and the closer
@@ -437,6 +437,6 @@ def test_an_episode_cancelled_while_sampling_never_steps_its_env_again(caplog):
     assert sink.empty() and w._pool == []
     assert not [r for r in caplog.records if "env_error" in r.getMessage()]
     # A cancellation is the loop's decision, not a fault: one INFO line saying so, no "policy_error" warning.
-    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "agentenv.runtime"]
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "agentenv.core.runtime"]
     assert [lvl for lvl, m in said if "cancelled by its caller" in m] == [logging.INFO], said
     assert not [m for lvl, m in said if lvl >= logging.WARNING], said

@@ -3,9 +3,9 @@
 import json
 import logging
 
-from agentenv.metrics import MetricsLogger, batch_metrics, format_line, read_metrics, update_record
-from agentenv.plot import ascii_curve, plot_runs
-from agentenv.trajectory import Trajectory
+from agentenv.core.metrics import MetricsLogger, batch_metrics, format_line, read_metrics, update_record
+from agentenv.run.plot import ascii_curve, plot_runs
+from agentenv.core.trajectory import Trajectory
 
 
 def traj(calls=0, errors=0, timeouts=0, success=False, ttype="a", truncated=False, n_policy=3):
@@ -60,7 +60,7 @@ def test_logger_jsonl_tensorboard_line_and_collapse_alarm(tmp_path, caplog):
     lines = []
     lg = MetricsLogger(tmp_path, collapse_window=10, collapse_ratio=0.3, echo=lines.append)
     shares = [0.2, 0.6, 0.8, 0.8, 0.7, 0.1, 0.05, 0.0, 0.0]
-    with caplog.at_level(logging.WARNING, logger="agentenv.metrics"):
+    with caplog.at_level(logging.WARNING, logger="agentenv.core.metrics"):
         for i, s in enumerate(shares, 1):
             lg.log_update({"update": i, "elapsed_s": float(i), "tool_share": s,
                            "tokens": 100, "success_rate": 0.5, "acceptance_rate": 1.0})

@@ -16,7 +16,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentenv.report import (before_after_table, difference_interval, paired_difference_interval,
+from agentenv.run.report import (before_after_table, difference_interval, paired_difference_interval,
                              pool_task_successes, runs_and_tasks_interval, wilson_interval)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def test_paired_interval_is_tighter_than_unpaired_when_tasks_differ_and_is_repor
 
 # ------------------------------------------------------------------------------------------- the tiny vocabulary
 def test_alfworld_vocabulary_encodes_alfworld_text_in_fewer_tokens():
-    from agentenv.tiny import small_tokenizer
+    from agentenv.samplers.tiny import small_tokenizer
 
     text = ("You arrive at countertop 1. On the countertop 1, you see a apple 1, a dishsponge 2, and a saltshaker 1."
             "\n\nYour task is to: look at pillow under the desklamp.\n\nAdmissible actions:\ntake apple 1 from countertop 1")
@@ -126,7 +126,7 @@ def test_alfworld_vocabulary_encodes_alfworld_text_in_fewer_tokens():
 def test_alfworld_vocabulary_writes_a_command_with_the_same_tokens_as_the_admissible_list():
     """Copying a listed command is then one lookup per token: the tags are whole tokens, and neither the tag nor a
     space fuses with the command's words or numbers."""
-    from agentenv.tiny import small_tokenizer
+    from agentenv.samplers.tiny import small_tokenizer
 
     tok = small_tokenizer("small-alfworld")
     for command in ("take alarmclock 1 from sidetable 2", "move pillow 10 to armchair 1", "go to desk 1", "look"):
@@ -165,7 +165,7 @@ alfworld = pytest.importorskip("alfworld", reason="alfworld is not installed (pi
 def test_noisy_expert_takes_detours_and_still_wins():
     from agentenv.envs.alfworld import SAMPLE_DIR, ALFWorldEnv
     from agentenv.envs.alfworld_expert import ALFWorldExpert
-    from agentenv.runtime import RolloutConfig, Task, run_episode
+    from agentenv.core.runtime import RolloutConfig, Task, run_episode
 
     env = ALFWorldEnv("train", SAMPLE_DIR, max_turns=40, expert=True, task_types=["pick_and_place"])
     try:
@@ -181,7 +181,7 @@ def test_noisy_expert_takes_detours_and_still_wins():
 
 
 def _demo_cfg(tmp_path, *extra):
-    from agentenv.config import load_config
+    from agentenv.core.config import load_config
 
     return load_config("alfworld_demo", [], [
         f"run.dir={tmp_path}", "model.name=tiny-bpe-alfworld:64x2", "sft.demos=expert", "sft.num_demos=4",
@@ -193,10 +193,10 @@ def test_expert_demos_are_the_runtime_token_format(tmp_path):
     """The demos SFT trains on are the runtime's sequences: the same prompt as a real rollout of the same game."""
     from transformers import AutoTokenizer
 
-    from agentenv.chat import ChatSequence
-    from agentenv.models import resolve_model
-    from agentenv.sft import prepare_demos
-    from agentenv.train import expert_demos
+    from agentenv.core.chat import ChatSequence
+    from agentenv.samplers.models import resolve_model
+    from agentenv.run.sft import prepare_demos
+    from agentenv.run.train import expert_demos
 
     cfg = _demo_cfg(tmp_path)
     trajs = expert_demos(cfg, tmp_path / "demos.jsonl", progress=False, echo=lambda *_: None)
@@ -216,7 +216,7 @@ def test_expert_demos_are_the_runtime_token_format(tmp_path):
 
 
 def test_expert_demos_without_a_win_stop_with_the_fix(tmp_path):
-    from agentenv.train import LaunchError, expert_demos
+    from agentenv.run.train import LaunchError, expert_demos
 
     cfg = _demo_cfg(tmp_path, "rollout.max_turns=1")
     with pytest.raises(LaunchError, match="rollout.max_turns"):
@@ -244,8 +244,8 @@ def test_shipped_demos_are_what_the_env_says_today():
     (system prompt included) and their outcome, or the SFT warm start would imitate an env that no longer exists.
     Both players play every train game once: the walkthrough wins each, the searcher wins some."""
     from agentenv.envs.alfworld import ALFWorldEnv
-    from agentenv.sft import demos_path
-    from agentenv.trajectory import iter_jsonl
+    from agentenv.run.sft import demos_path
+    from agentenv.core.trajectory import iter_jsonl
 
     cfg = yaml.safe_load((REPO / "configs" / "alfworld_demo.yaml").read_text())
     demos = list(iter_jsonl(demos_path(cfg["sft"]["demos"])))
@@ -278,8 +278,8 @@ def test_shipped_demos_are_what_the_env_says_today():
 def test_sft_context_loss_adds_the_observation_tokens_nll():
     import torch
 
-    from agentenv.models import resolve_model
-    from agentenv.sft import sft_loss, trajectory_from_messages
+    from agentenv.samplers.models import resolve_model
+    from agentenv.run.sft import sft_loss, trajectory_from_messages
     from agentenv.trainer.batch import collate
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -317,7 +317,7 @@ def test_alfworld_demo_two_updates_on_the_shipped_games(tmp_path, monkeypatch, c
             in capsys.readouterr().out)
     run = tmp_path / "run"
     res = json.loads((run / "demo_result.json").read_text())
-    from agentenv.metrics import read_metrics
+    from agentenv.core.metrics import read_metrics
 
     final_version = read_metrics(run)[-1]["policy_version"]  # real optimizer steps only (zero-signal ones skip)
     # the preset averages its last 12 updates' weights; this run has 2, so both: the mean is a version of its own

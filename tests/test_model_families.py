@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from agentenv.hf_policy import HFPolicy
-from agentenv.policy import GenerationRequest, SamplingParams
-from agentenv.tiny import small_tokenizer
+from agentenv.samplers.hf_policy import HFPolicy
+from agentenv.core.policy import GenerationRequest, SamplingParams
+from agentenv.samplers.tiny import small_tokenizer
 from agentenv.trainer.logprobs import FinalLogits, final_logits_of, token_log_probs
 from agentenv.trainer.preflight import lag0_trust_check
 

@@ -200,7 +200,7 @@ class ScriptedSolver:
 
 
 def test_scripted_policy_through_the_runtime(tmp_path):
-    from agentenv.runtime import RolloutConfig, Task as Episode, run_episode
+    from agentenv.core.runtime import RolloutConfig, Task as Episode, run_episode
 
     env = make_env("subprocess" if BWRAP_MISSING else "bubblewrap", num_tasks=8)
     try:

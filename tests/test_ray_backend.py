@@ -14,12 +14,12 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'agentenv[ray]')")
 
-from agentenv.config import LaunchConfig, LoopConfig
+from agentenv.core.config import LaunchConfig, LoopConfig
 from agentenv.trainer.backends import GymEnvFactory, HFPolicyFactory
 from agentenv.trainer.loop import Trainer
 
-from agentenv.policy import SamplingParams
-from agentenv.runtime import RolloutConfig, Task
+from agentenv.core.policy import SamplingParams
+from agentenv.core.runtime import RolloutConfig, Task
 
 pytestmark = pytest.mark.ray
 
@@ -28,7 +28,7 @@ def test_ray_backend_trains_survives_actor_kill_and_cleans_up():
     from agentenv.trainer.learner import Learner, LearnerConfig
     from transformers import AutoModelForCausalLM
 
-    from agentenv.models import resolve_model
+    from agentenv.samplers.models import resolve_model
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     assert not ray.is_initialized()
@@ -78,8 +78,8 @@ def test_periodic_eval_uses_the_learners_current_weights_with_ray_rollouts(tmp_p
     and env have a learning signal (tests/signal_env.py), so every update is a real optimizer step."""
     import signal_env
 
-    from agentenv.config import load_config
-    from agentenv.train import run
+    from agentenv.core.config import load_config
+    from agentenv.run.train import run
 
     tests = str(Path(signal_env.__file__).parent)
     monkeypatch.setenv("PYTHONPATH", tests + os.pathsep + os.environ.get("PYTHONPATH", ""))  # for the actors

@@ -53,12 +53,12 @@ def test_cpu_rehearsal_of_the_cluster_path(tmp_path):
                             "compute_dtype": "float32"}
     s = summary["summary"]
     assert s["updates"] == 2 and s["accounting_balance"] == 0
-    from agentenv.trajectory import read_jsonl
+    from agentenv.core.trajectory import read_jsonl
 
     trajs = read_jsonl(run / "trajectories.jsonl")
     assert trajs and all(t.sampling.get("backend") == "vllm" for t in trajs if t.token_ids)
-    from agentenv.metrics import read_metrics
-    from agentenv.models import resolve_model
+    from agentenv.core.metrics import read_metrics
+    from agentenv.samplers.models import resolve_model
 
     steps = sum(1 - m["optimizer_step_skipped"] for m in read_metrics(run))
     assert s["policy_version"] == steps  # the version names the weights: it moves on real steps only
@@ -83,8 +83,8 @@ def test_cpu_rehearsal_with_a_learning_signal_moves_the_saved_model(tmp_path):
     # ... and vLLM serves the saved directory as it is
     from transformers import AutoTokenizer
 
-    from agentenv.policy import GenerationRequest, SamplingParams
-    from agentenv.vllm_policy import VLLMPolicyFactory
+    from agentenv.core.policy import GenerationRequest, SamplingParams
+    from agentenv.samplers.vllm_policy import VLLMPolicyFactory
 
     pol = VLLMPolicyFactory(str(run / "final_model"), max_model_len=512)(0)
     tok = AutoTokenizer.from_pretrained(run / "final_model", local_files_only=True)

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from agentenv.trajectory import read_jsonl
+from agentenv.core.trajectory import read_jsonl
 
 EXE = Path(sys.executable).with_name("agentenv")
 BASE = ["run", "--env", "guess", "--model", "tiny", "--no-progress", "--set", "loop.batch_size=2",

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 import agentenv  # noqa: F401
-from agentenv.chat import ChatSequence
-from agentenv.demo import ENV_ID, SYSTEM_PROMPT, TOOL_DOC, demo_tasks, demo_trajectories, scripted_demo, tool_schemas
-from agentenv.policy import Generation
-from agentenv.sft import SFTConfig, prepare_demos, sft_loss, train_sft, trajectory_from_messages
-from agentenv.tiny import TinyConfig, qwen_tokenizer, tiny_model
-from agentenv.trajectory import Trajectory
+from agentenv.core.chat import ChatSequence
+from agentenv.run.demo import ENV_ID, SYSTEM_PROMPT, TOOL_DOC, demo_tasks, demo_trajectories, scripted_demo, tool_schemas
+from agentenv.core.policy import Generation
+from agentenv.run.sft import SFTConfig, prepare_demos, sft_loss, train_sft, trajectory_from_messages
+from agentenv.samplers.tiny import TinyConfig, qwen_tokenizer, tiny_model
+from agentenv.core.trajectory import Trajectory
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_sft_reduces_loss_on_policy_tokens_only(tok):
 def test_length_grouped_batches_cover_every_demo_once_with_little_padding(n, batch_size):
     import random
 
-    from agentenv.sft import _length_grouped_batches
+    from agentenv.run.sft import _length_grouped_batches
 
     rng = random.Random(n)
     demos = [Trajectory(token_ids=[1] * rng.randrange(50, 1200)) for _ in range(n)]
@@ -109,7 +109,7 @@ def test_length_grouped_batches_cover_every_demo_once_with_little_padding(n, bat
 
 
 def test_sft_cosine_schedule_decays_to_the_floor():
-    from agentenv.sft import _lr_factor
+    from agentenv.run.sft import _lr_factor
 
     cfg = SFTConfig(schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
     factors = [_lr_factor(cfg, s, 100) for s in range(100)]

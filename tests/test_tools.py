@@ -64,7 +64,7 @@ def test_schema_renders_in_the_project_chat_template():
     # The same jinja environment apply_chat_template uses, without building the 150k-token tokenizer (slow).
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    from agentenv.tiny import CHAT_TEMPLATE
+    from agentenv.samplers.tiny import CHAT_TEMPLATE
 
     text = _compile_jinja_template(CHAT_TEMPLATE).render(
         messages=[{"role": "user", "content": "hi"}], tools=[power.schema()], add_generation_prompt=True)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentenv.trajectory import SCHEMA_VERSION, Trajectory, read_jsonl, write_jsonl
+from agentenv.core.trajectory import SCHEMA_VERSION, Trajectory, read_jsonl, write_jsonl
 
 
 def make(n_prompt=3, sampled=(-0.5, -1.0), obs=2):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from agentenv.trajectory import JsonlWriter, TruncatedLineWarning, Trajectory, read_jsonl
+from agentenv.core.trajectory import JsonlWriter, TruncatedLineWarning, Trajectory, read_jsonl
 
 
 def _traj(i: int) -> Trajectory:

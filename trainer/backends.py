@@ -12,7 +12,7 @@ says which episode starts on which worker, and the backend moves calls and data.
 * ``local_policy()``: the in-process sampler holding the published weights, or None (Ray: samplers live in actors).
 
 :class:`LocalBackend` keeps the workers as thread groups in this process sharing ONE sampler through one
-:class:`~agentenv.runtime.Batcher` (generation is batched across every in-flight episode); weight sync is an
+:class:`~agentenv.core.runtime.Batcher` (generation is batched across every in-flight episode); weight sync is an
 in-process ``load_weights``. The Ray backend is :class:`agentenv.trainer.ray_backend.RayBackend`.
 
 The factories are picklable (Ray ships them to actors by reference): :class:`GymEnvFactory` (any gymnasium id,
@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from agentenv.config import LaunchConfig, LoopConfig
-from agentenv.runtime import Batcher, RolloutConfig, Task
+from agentenv.core.config import LaunchConfig, LoopConfig
+from agentenv.core.runtime import Batcher, RolloutConfig, Task
 
 from .workers import RolloutWorker, drain, publish_to_policy, sampler_kind
 
@@ -75,7 +75,7 @@ class HFPolicyFactory:
     dtype: str = "auto"
 
     def __call__(self, worker_index: int = 0):
-        from agentenv.models import load_hf_policy
+        from agentenv.samplers.models import load_hf_policy
 
         return load_hf_policy(self.model, seed=self.seed + worker_index, device=self.device, dtype=self.dtype)
 

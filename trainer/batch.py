@@ -1,4 +1,4 @@
-"""From a list of :class:`~agentenv.trajectory.Trajectory` to padded tensors and length-bucketed micro-batches.
+"""From a list of :class:`~agentenv.core.trajectory.Trajectory` to padded tensors and length-bucketed micro-batches.
 
 Contract:
 
@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from agentenv.trajectory import Trajectory
+from agentenv.core.trajectory import Trajectory
 
 from .loss import FullBatch
 

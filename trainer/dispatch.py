@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from agentenv.config import LoopConfig
+from agentenv.core.config import LoopConfig
 
 from .accounting import Ledger
 

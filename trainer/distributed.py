@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from agentenv.trajectory import Trajectory
+from agentenv.core.trajectory import Trajectory
 
 
 # --- the driver's object over W ranks -------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from agentenv.trajectory import Trajectory
+from agentenv.core.trajectory import Trajectory
 
 from . import checkpoint as ckpt
 from .averaging import WeightAverage
@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LearnerConfig:
-    """Every field shared with :class:`agentenv.config.AlgoConfig` has the SAME default (a test holds them equal);
+    """Every field shared with :class:`agentenv.core.config.AlgoConfig` has the SAME default (a test holds them equal);
     build one from a run config with :func:`learner_config_from`."""
 
     # optimizer
@@ -127,7 +127,7 @@ NOT_LEARNER_FIELDS = frozenset({"allow_truncated_sampling"})  # algo.* used befo
 
 
 def learner_config_from(cfg, **overrides) -> LearnerConfig:
-    """THE conversion from a :class:`agentenv.config.RunConfig`: ``cfg.algo`` (every field LearnerConfig shares),
+    """THE conversion from a :class:`agentenv.core.config.RunConfig`: ``cfg.algo`` (every field LearnerConfig shares),
     ``cfg.rollout.temperature``, ``cfg.loop.total_updates``, ``cfg.model.gradient_checkpointing`` and
     ``cfg.model.dtype`` (the compute dtype; float16 is refused: bf16 needs no loss scaling, fp16 would). The one
     ``algo`` field that is not the learner's is :data:`NOT_LEARNER_FIELDS` (read by the run's preflight)."""

@@ -7,14 +7,14 @@ Who does what (each a module of its own; this one only connects them):
   GRPO rounds behind a barrier), drawing prompts from a checkpointed :class:`~.dispatch.PromptSampler`.
 * :mod:`.backends` says WHERE episodes run and moves weights (:class:`~.backends.LocalBackend`: threads in this
   process; :class:`~.ray_backend.RayBackend`: one actor per worker), both over :class:`~.workers.RolloutWorker`,
-  which plays episodes with :func:`agentenv.runtime.run_episode`.
+  which plays episodes with :func:`agentenv.core.runtime.run_episode`.
 * :mod:`.accounting` keeps the books (:class:`~.accounting.Ledger`: every started trajectory ends in exactly one
   bucket) and the one definition of lag.
 * The learner (:mod:`.learner`, anything with ``update / policy_version / export_weights / state_dict /
   load_state_dict``) takes ONE optimizer step per fresh batch, on a learner thread, so dispatching, timeouts and
   crash handling go on while it computes; its new weights are published to every sampler (swapped between turns).
-* :func:`agentenv.metrics.update_record` builds the one per-update record; the sink
-  (:class:`agentenv.metrics.MetricsLogger`) writes ``metrics.jsonl`` / TensorBoard / the ``[update N]`` line.
+* :func:`agentenv.core.metrics.update_record` builds the one per-update record; the sink
+  (:class:`agentenv.core.metrics.MetricsLogger`) writes ``metrics.jsonl`` / TensorBoard / the ``[update N]`` line.
 * :mod:`.loop_state` checkpoints the loop with the learner, and on resume reconciles the run's JSONL files with the
   checkpoint (rows of rolled-back updates are marked).
 
@@ -43,10 +43,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentenv.config import LaunchConfig, LoopConfig
-from agentenv.metrics import MetricsLogger, update_record
-from agentenv.runtime import RolloutConfig, Task
-from agentenv.trajectory import JsonlWriter, Trajectory
+from agentenv.core.config import LaunchConfig, LoopConfig
+from agentenv.core.metrics import MetricsLogger, update_record
+from agentenv.core.runtime import RolloutConfig, Task
+from agentenv.core.trajectory import JsonlWriter, Trajectory
 
 from . import loop_state
 from .accounting import Ledger, admitted_mask

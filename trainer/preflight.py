@@ -5,7 +5,7 @@ from a different distribution mu, so even with identical weights (lag 0) the per
 and pi can exceed delta and the gate rejects everything (top_k = 5 on a near-uniform model: KL 0.7-0.9 >> 1e-3).
 
 Contract of :func:`lag0_trust_check`: sample ``n_sequences`` short generations (``n_tokens`` each) from ``model``
-through the real sampler (:class:`agentenv.hf_policy.HFPolicy`, the processed distribution) with the given
+through the real sampler (:class:`agentenv.samplers.hf_policy.HFPolicy`, the processed distribution) with the given
 settings, score the sampled tokens with the learner's pi (:func:`~agentenv.trainer.logprobs.token_log_probs`,
 temperature only), and return ``(acceptance, seq_kl)``: the share of generations whose mean sampled-token Bernoulli
 KL(mu || pi) is <= ``delta`` (the gate's own rule, :func:`~agentenv.trainer.loss.sequence_kl`) and the mean of that
@@ -25,8 +25,8 @@ def lag0_trust_check(model, tokenizer, *, temperature: float, top_p: float, top_
                      n_tokens: int = 32, n_sequences: int = 4, prompt: str = "Write a short story about a robot.",
                      seed: int = 0) -> tuple[float, float]:
     """See the module docstring. Returns ``(acceptance, mean sequence KL)``."""
-    from agentenv.hf_policy import HFPolicy
-    from agentenv.policy import GenerationRequest, SamplingParams
+    from agentenv.samplers.hf_policy import HFPolicy
+    from agentenv.core.policy import GenerationRequest, SamplingParams
 
     if n_tokens < 1 or n_sequences < 1:
         raise ValueError(f"need n_tokens >= 1 and n_sequences >= 1, got {n_tokens}, {n_sequences}")

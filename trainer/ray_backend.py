@@ -28,9 +28,9 @@ import os
 import time
 from collections.abc import Callable
 
-from agentenv.runtime import Batcher, RolloutConfig, Task
+from agentenv.core.runtime import Batcher, RolloutConfig, Task
 
-from agentenv.config import LaunchConfig, LoopConfig
+from agentenv.core.config import LaunchConfig, LoopConfig
 
 from .workers import RolloutWorker, sampler_kind
 

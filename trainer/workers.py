@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agentenv.runtime import EpisodeCancelled, RolloutConfig, Task, run_episode
-from agentenv.trajectory import Trajectory
+from agentenv.core.runtime import EpisodeCancelled, RolloutConfig, Task, run_episode
+from agentenv.core.trajectory import Trajectory
 
 log = logging.getLogger("agentenv.trainer.workers")
 

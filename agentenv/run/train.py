@@ -1,16 +1,16 @@
-"""``agentenv run``: execute the launch plan of a :class:`~agentenv.config.RunConfig`.
+"""``agentenv run``: execute the launch plan of a :class:`~agentenv.core.config.RunConfig`.
 
 Contract of :func:`run(cfg)`:
 
-1. The plan (:func:`agentenv.plan.launch_plan`) is computed once; any reason it cannot start stops the run before
-   anything heavy (:class:`~agentenv.plan.LaunchError`, with the fix). It is saved as ``RUN/plan.json`` next to the
+1. The plan (:func:`agentenv.run.plan.launch_plan`) is computed once; any reason it cannot start stops the run before
+   anything heavy (:class:`~agentenv.run.plan.LaunchError`, with the fix). It is saved as ``RUN/plan.json`` next to the
    resolved ``RUN/config.yaml``.
 2. Optional SFT warm start (``sft.enabled``) into ``RUN/sft_model``.
 3. The parts the plan names are built -- samplers (:func:`policy_factory`: transformers or vLLM), the learner
    (:func:`agentenv.trainer.distributed.make_learner`: one process, or FSDP2 ranks) -- and wired by
    :class:`agentenv.trainer.loop.Trainer`; every update goes to ``RUN/metrics.jsonl`` / TensorBoard / one
-   ``[update N]`` line (:class:`agentenv.metrics.MetricsLogger`), every trajectory to ``RUN/trajectories.jsonl``.
-4. Evaluation (:mod:`agentenv.evaluation`) at the start, every ``eval.every`` updates and at the end, always with the
+   ``[update N]`` line (:class:`agentenv.core.metrics.MetricsLogger`), every trajectory to ``RUN/trajectories.jsonl``.
+4. Evaluation (:mod:`agentenv.run.evaluation`) at the start, every ``eval.every`` updates and at the end, always with the
    learner's CURRENT weights, whatever the rollout backend.
 5. ``algo.average_last_updates`` = N > 0: when the loop finishes (not on Ctrl-C), the learner's weights become the
    mean of its weights after each of the last N updates (:meth:`Learner.use_average`); the final evaluation (its
@@ -31,10 +31,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentenv.config import RunConfig
-from agentenv.plan import LaunchError, launch_plan, preflight, print_plan
+from agentenv.core.config import RunConfig
+from agentenv.run.plan import LaunchError, launch_plan, preflight, print_plan
 
-log = logging.getLogger("agentenv.train")
+log = logging.getLogger("agentenv.run.train")
 
 __all__ = ["LaunchError", "RunResult", "dry_run", "policy_factory", "run"]
 
@@ -47,7 +47,7 @@ def policy_factory(cfg: RunConfig, model_path: str, plan: dict):
     """A picklable ``make_policy(worker_index)`` for the sampler the plan names (weights in the compute dtype)."""
     dtype = plan["components"]["learner"]["compute_dtype"]
     if plan["components"]["sampler"] == "vllm":
-        from agentenv.vllm_policy import VLLMPolicyFactory
+        from agentenv.samplers.vllm_policy import VLLMPolicyFactory
 
         return VLLMPolicyFactory(model_path, seed=cfg.loop.seed, dtype=dtype,
                                  gpu_memory_utilization=cfg.launch.vllm_gpu_memory_utilization,
@@ -79,9 +79,9 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
         echo=print) -> RunResult:
     import torch
 
-    from agentenv.evaluation import evaluate
-    from agentenv.metrics import MetricsLogger
-    from agentenv.episodes import env_factory, rollout_config, task_list
+    from agentenv.run.evaluation import evaluate
+    from agentenv.core.metrics import MetricsLogger
+    from agentenv.run.episodes import env_factory, rollout_config, task_list
     from agentenv.trainer.distributed import make_learner
     from agentenv.trainer.loop import Trainer
 
@@ -204,7 +204,7 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
     (run_dir / "summary.json").write_text(json.dumps({"summary": summary, "components": components, "evals": evals,
                                                       "final_model": str(final)}, indent=2, default=str))
     if cfg.run.plot and logger.history and not trainer.interrupted:
-        from agentenv.plot import plot_runs
+        from agentenv.run.plot import plot_runs
 
         png = plot_runs([run_dir], title=f"{cfg.preset} {' '.join(cfg.variants)} ({cfg.model.name})")
         echo(f"plot: {png}")
@@ -249,9 +249,9 @@ def warm_start(cfg: RunConfig, model_path: str, out: Path, *, progress: bool = T
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentenv import demo
-    from agentenv.sft import SFTConfig, demos_path, prepare_demos, save_checkpoint_dir, train_sft
-    from agentenv.trajectory import iter_jsonl
+    from agentenv.run import demo
+    from agentenv.run.sft import SFTConfig, demos_path, prepare_demos, save_checkpoint_dir, train_sft
+    from agentenv.core.trajectory import iter_jsonl
 
     tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
@@ -278,10 +278,10 @@ def expert_demos(cfg: RunConfig, path: Path, *, progress: bool = True, echo=prin
     import importlib
 
     from agentenv.envs import EXPERTS, spec
-    from agentenv.episodes import env_kwargs, rollout_config, task_list
-    from agentenv.runtime import RolloutConfig, Task, run_episodes
+    from agentenv.run.episodes import env_kwargs, rollout_config, task_list
+    from agentenv.core.runtime import RolloutConfig, Task, run_episodes
     from agentenv.trainer.backends import GymEnvFactory
-    from agentenv.trajectory import JsonlWriter
+    from agentenv.core.trajectory import JsonlWriter
 
     env_id = spec.resolve(cfg.env.id)
     if env_id not in EXPERTS:

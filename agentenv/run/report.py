@@ -1,7 +1,7 @@
 """The before/after report of a training run: what ``agentenv demo`` prints (and any run that evaluates at its start
 and end): curves over updates as sparklines, the evaluation before and after RL side by side -- per eval split, with
 a 95% confidence interval over the eval episodes, the change with its own interval, and success per task type when
-the env has task types -- the wall time, and ``RUN/demo_result.json``. It drives :func:`agentenv.train.run`; the
+the env has task types -- the wall time, and ``RUN/demo_result.json``. It drives :func:`agentenv.run.train.run`; the
 only numbers it computes itself are the intervals (:func:`wilson_interval`, :func:`difference_interval`,
 :func:`paired_difference_interval`; and, for several runs from one warm start, :func:`pool_task_successes`
 and :func:`runs_and_tasks_interval`).
@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from agentenv.plot import ascii_curve
-from agentenv.train import run
+from agentenv.run.plot import ascii_curve
+from agentenv.run.train import run
 
 Z95 = 1.959964  # two-sided 95% normal quantile
 
@@ -55,7 +55,7 @@ def paired_difference_interval(before: dict, after: dict, *, level: float = 0.95
                                seed: int = 0) -> tuple[float, float, int]:
     """Interval for the mean per-task change in success, pairing each task with itself.
 
-    ``before`` / ``after`` map a task key to ``[successes, episodes]`` (:func:`agentenv.evaluation.evaluate`'s
+    ``before`` / ``after`` map a task key to ``[successes, episodes]`` (:func:`agentenv.run.evaluation.evaluate`'s
     ``task_successes``). Over the tasks both played, d_j = after rate - before rate; the interval is the percentile
     bootstrap of mean(d) with tasks resampled (the tasks are the independent draws, not their episodes). Seeded, so
     a report is reproducible. Returns (low, high, number of paired tasks)."""

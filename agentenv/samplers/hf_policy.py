@@ -1,7 +1,7 @@
 """transformers sampling backend (CPU and GPU) with exact behaviour log-probs.
 
 :class:`HFPolicy` samples with its own small decoding loop over a KV cache instead of ``model.generate``: at each step
-it computes the processed distribution once (:func:`agentenv.processing.processed_logprobs`: temperature, top-k, top-p),
+it computes the processed distribution once (:func:`agentenv.core.processing.processed_logprobs`: temperature, top-k, top-p),
 draws from it by inverse transform (uniforms from the policy's generator, or for a request with a ``seed`` from its
 own seeded stream, so its tokens do not depend on its batch), and stores the drawn token's log-probability under that
 very distribution. No library sampling default (``generate``'s implicit top_k=50, a model's generation_config) can
@@ -48,8 +48,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from agentenv.policy import Generation, GenerationRequest, SamplingParams
-from agentenv.processing import processed_logprobs
+from agentenv.core.policy import Generation, GenerationRequest, SamplingParams
+from agentenv.core.processing import processed_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class HFPolicy:
         self._lock = threading.Lock()
         self.prefix_cache = PrefixKVCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         # Stop on the tokenizer's eos and every generation_config eos id, as vLLM does (e.g. Qwen2.5-Instruct:
-        # <|im_end|> and <|endoftext|>); agentenv.chat closes a turn correctly whichever of them was sampled.
+        # <|im_end|> and <|endoftext|>); agentenv.core.chat closes a turn correctly whichever of them was sampled.
         self.stop_ids = _ids(tokenizer.eos_token_id) | _ids(getattr(getattr(model, "generation_config", None),
                                                                     "eos_token_id", None))
         if not self.stop_ids:

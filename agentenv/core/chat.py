@@ -1,6 +1,6 @@
 """One token sequence per trajectory, grown by chat-template deltas; the history is never re-tokenized.
 
-:class:`ChatSequence` owns the four aligned per-token lists of a trajectory (see :mod:`agentenv.trajectory`):
+:class:`ChatSequence` owns the four aligned per-token lists of a trajectory (see :mod:`agentenv.core.trajectory`):
 
 * ``start(messages, tools)`` renders the prompt with the tokenizer's own chat template (with the generation prompt)
   and tokenizes it once.
@@ -49,7 +49,7 @@ import re
 import secrets
 from typing import Any, Literal, NamedTuple
 
-from agentenv.policy import Generation
+from agentenv.core.policy import Generation
 
 
 VERIFY_TURNS = 2  # turns per role whose delta is checked against the full history before trusting local deltas

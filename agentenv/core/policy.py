@@ -17,13 +17,13 @@ A policy turns token-id prompts into sampled continuations. Contract for every b
   the same weights score the same, and the evaluations before and after training draw with common random numbers;
   training requests carry no seed (the sampler's own stream: a prompt issued again is a fresh draw).
 
-* ``backend`` (optional class attribute) names the sampler: ``"hf"`` (:class:`agentenv.hf_policy.HFPolicy`),
+* ``backend`` (optional class attribute) names the sampler: ``"hf"`` (:class:`agentenv.samplers.hf_policy.HFPolicy`),
   ``"vllm"``; the runtime records it in every trajectory's ``sampling["backend"]`` (``"text"`` for a
   :class:`TextPolicy`, ``"unknown"`` for a token-level policy that does not set it).
-* A turn stops on any of the sampler's stop ids; ``agentenv.chat`` closes the turn the way the chat template does
+* A turn stops on any of the sampler's stop ids; ``agentenv.core.chat`` closes the turn the way the chat template does
   whichever stop id was sampled.
 
-Policies never see chat messages: the runtime owns the token sequence (see :mod:`agentenv.chat`).
+Policies never see chat messages: the runtime owns the token sequence (see :mod:`agentenv.core.chat`).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Generation:
 
 @runtime_checkable
 class Policy(Protocol):
-    """Token-level sampler used by :mod:`agentenv.runtime`."""
+    """Token-level sampler used by :mod:`agentenv.core.runtime`."""
 
     name: str  # model name (alias or hub id), recorded as ``model`` in trajectories
     model_path: str | None  # local directory AutoModelForCausalLM.from_pretrained can load, or None

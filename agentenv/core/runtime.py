@@ -1,6 +1,6 @@
-"""The multi-turn runtime: (policy, env) -> trajectories that honour the contract in :mod:`agentenv.trajectory`.
+"""The multi-turn runtime: (policy, env) -> trajectories that honour the contract in :mod:`agentenv.core.trajectory`.
 
-* :func:`run_episode` plays one episode. The token sequence is a :class:`agentenv.chat.ChatSequence`; each turn asks
+* :func:`run_episode` plays one episode. The token sequence is a :class:`agentenv.core.chat.ChatSequence`; each turn asks
   the policy for a continuation through ``generate_fn`` (so many episodes can share a batched sampler), appends the
   sampled tokens verbatim, steps the env with their text, and appends only the observation's template delta.
 * Limits end an episode with a finish reason and keep everything collected so far; every limit is a truncation
@@ -19,7 +19,7 @@
   requests on a :class:`Batcher`, which runs one batched ``policy.generate`` over whatever requests are waiting and
   hands each episode its result as soon as the batch returns; each episode then steps its own env at once. There is
   no barrier across episodes: a slow env step delays only its own episode.
-* Non-LLM :class:`agentenv.policy.TextPolicy` policies (scripted experts) run through the same loop and produce
+* Non-LLM :class:`agentenv.core.policy.TextPolicy` policies (scripted experts) run through the same loop and produce
   trajectories with messages and outcomes but empty token fields.
 """
 
@@ -38,11 +38,11 @@ from typing import Callable, Iterable, Iterator
 
 import gymnasium as gym
 
-from agentenv.chat import ChatSequence
-from agentenv.policy import Generation, GenerationRequest, SamplingParams
-from agentenv.trajectory import Trajectory
+from agentenv.core.chat import ChatSequence
+from agentenv.core.policy import Generation, GenerationRequest, SamplingParams
+from agentenv.core.trajectory import Trajectory
 
-log = logging.getLogger("agentenv.runtime")
+log = logging.getLogger("agentenv.core.runtime")
 
 
 @dataclass
@@ -52,7 +52,7 @@ class RolloutConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)  # max_new_tokens is the per-turn limit
     concurrency: int = 8
     return_entropy: bool = False
-    on_template_rewrite: str = "error"  # or "segment", see agentenv.chat
+    on_template_rewrite: str = "error"  # or "segment", see agentenv.core.chat
     max_generated_tokens: int | None = None  # sampled tokens summed over turns; None = no cap beyond the context
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ Contract:
 * Presets are found by name in ``$AGENTENV_CONFIGS``, then the repository's ``configs/`` (next to the package), then
   ``./configs``; a path to a ``.yaml`` file works too.
 
-Pure data: nothing here builds models or envs (that is :mod:`agentenv.train`).
+Pure data: nothing here builds models or envs (that is :mod:`agentenv.run.train`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class EnvConfig(_Section):
     id: str = "python"  # alias (alfworld, python, guess) or a gymnasium id
     kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to gymnasium.make for training episodes
     train_split: Optional[str] = None  # for envs with splits (alfworld: train)
-    tasks: Literal["env", "demo"] = "env"  # "demo": the built-in multiplication task set of agentenv.demo
+    tasks: Literal["env", "demo"] = "env"  # "demo": the built-in multiplication task set of agentenv.run.demo
     num_tasks: int = Field(256, ge=1)  # prompts per epoch (task_index 0..n-1, or seeds for envs without tasks)
 
 
@@ -150,7 +150,7 @@ class EvalConfig(_Section):
 
 class SFTSection(_Section):
     enabled: bool = False  # warm-start by SFT before RL
-    # "scripted" (agentenv.demo's tool demos), "expert" (the env's scripted expert plays num_demos training tasks
+    # "scripted" (agentenv.run.demo's tool demos), "expert" (the env's scripted expert plays num_demos training tasks
     # through the runtime at the start of the run) or a trajectories JSONL path (e.g. `agentenv rollout` output)
     demos: str = "scripted"
     num_demos: int = Field(1000, ge=1)
@@ -160,7 +160,7 @@ class SFTSection(_Section):
     lr: float = Field(1e-4, gt=0)
     schedule: Literal["constant", "cosine"] = "constant"  # lr after warmup (cosine: down to lr / 10 at the end)
     batch_size: int = Field(16, ge=1)
-    # > 0: SFT also predicts the prompt/observation tokens with this weight (agentenv.sft: for a model trained from
+    # > 0: SFT also predicts the prompt/observation tokens with this weight (agentenv.run.sft: for a model trained from
     # scratch, language-model signal on the env's own text; 0 = the usual loss on the assistant's tokens only)
     context_loss_weight: float = Field(0.0, ge=0)
     # False: imitate every demo, won or lost -- right for a player whose lost plays act as well as its won ones (a
@@ -251,8 +251,9 @@ def config_dirs() -> list[Path]:
     dirs = []
     if os.environ.get("AGENTENV_CONFIGS"):
         dirs.append(Path(os.environ["AGENTENV_CONFIGS"]))
-    dirs.append(Path(__file__).resolve().parent.parent / "configs")  # the repo (editable install)
-    dirs.append(Path(__file__).resolve().parent / "configs")  # installed wheel: configs/ ships as agentenv.configs
+    here = Path(__file__).resolve().parent  # agentenv/core
+    dirs.append(here.parents[1] / "configs")  # the repo (editable install)
+    dirs.append(here.parent / "configs")  # installed wheel: configs/ ships as agentenv.configs
     dirs.append(Path.cwd() / "configs")
     return dirs
 

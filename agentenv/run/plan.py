@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from agentenv.config import RunConfig
+from agentenv.core.config import RunConfig
 
 
 class LaunchError(RuntimeError):
@@ -37,7 +37,7 @@ def launch_plan(cfg: RunConfig) -> dict:
     import torch
 
     from agentenv.envs import spec
-    from agentenv.models import ModelNotAvailable, resolve_model
+    from agentenv.samplers.models import ModelNotAvailable, resolve_model
 
     cuda = torch.cuda.is_available()
     ngpu = torch.cuda.device_count() if cuda else 0
@@ -66,7 +66,7 @@ def launch_plan(cfg: RunConfig) -> dict:
                        "detail": f"expert plays of {env_id}" if env_id in EXPERTS else
                        f"{env_id} has no scripted expert (experts exist for: {', '.join(EXPERTS)})"})
     elif cfg.sft.enabled and cfg.sft.demos != "scripted":
-        from agentenv.sft import demos_path
+        from agentenv.run.sft import demos_path
 
         try:
             checks.append({"what": "sft demos", "ok": True, "detail": str(demos_path(cfg.sft.demos))})

@@ -7,7 +7,7 @@ Contract:
   token layout, which a tiny model can learn to copy from (digit tokens are single tokens in Qwen's vocabulary).
 * :func:`scripted_demo` -- the messages of one demonstration: with the tool (call python, then copy its output into
   ``\\boxed{}``) or without (answer at once with a rough but always wrong guess: ``A * 100``). :func:`demo_trajectories` builds ``n`` of them with a given tool share through
-  :func:`agentenv.sft.trajectory_from_messages`, i.e. through the same ChatSequence the runtime uses.
+  :func:`agentenv.run.sft.trajectory_from_messages`, i.e. through the same ChatSequence the runtime uses.
 * The env is the real ``agentenv/PythonTool-v0`` (sandboxed python) with these tasks and :data:`SYSTEM_PROMPT`.
 
 The demo's story: SFT on a mix where only ~30% of demos use the tool gives a policy that rarely calls it; RL
@@ -74,7 +74,7 @@ def tool_schemas() -> list[dict]:
 
 def demo_trajectories(tokenizer, n: int, tool_fraction: float = 0.25, seed: int = 1, tools: list[dict] | None = None):
     """``n`` token-level demos (success marked True so SFT keeps them all: they are what we want imitated)."""
-    from agentenv.sft import trajectory_from_messages
+    from agentenv.run.sft import trajectory_from_messages
 
     rng = random.Random(seed)
     tools = tools if tools is not None else tool_schemas()

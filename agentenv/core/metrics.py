@@ -24,9 +24,9 @@ from collections import deque
 from pathlib import Path
 from typing import Sequence
 
-from agentenv.trajectory import Trajectory
+from agentenv.core.trajectory import Trajectory
 
-log = logging.getLogger("agentenv.metrics")
+log = logging.getLogger("agentenv.core.metrics")
 
 METRIC_HELP: dict[str, str] = {
     "reward_mean": "mean reward of the trajectories in the update's batch",

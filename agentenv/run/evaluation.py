@@ -1,18 +1,18 @@
 """Evaluation: play every task of a split (``eval.samples`` times each, or the split's own number when that is a
 per-split mapping) and summarise with the batch statistics.
 
-:func:`evaluate(cfg, policy, split)` builds the split's env and tasks through :mod:`agentenv.episodes`, runs them
-through :func:`agentenv.runtime.run_episodes` at the eval sampling settings (``eval.temperature`` / ``eval.top_p``,
-else the rollout's), and returns :func:`agentenv.metrics.batch_metrics` of the trajectories (success, per-type
+:func:`evaluate(cfg, policy, split)` builds the split's env and tasks through :mod:`agentenv.run.episodes`, runs them
+through :func:`agentenv.core.runtime.run_episodes` at the eval sampling settings (``eval.temperature`` / ``eval.top_p``,
+else the rollout's), and returns :func:`agentenv.core.metrics.batch_metrics` of the trajectories (success, per-type
 success, tool-call rate, ...) plus ``episodes``, ``successes``, ``episodes_by_type`` (episodes per task type, for
 confidence intervals of ``success_<type>``), ``task_successes`` (``{task index: [successes, episodes]}``, string
 keys so it survives JSON: what lets a before/after comparison pair each task with itself) and ``wall_s``.
 ``split=None`` evaluates on the training tasks. With ``eval.seed`` set (the default, 0) every play draws from its own
-seeded stream (:attr:`agentenv.runtime.Task.sampling_seed`): the same weights give the same episodes whatever the
+seeded stream (:attr:`agentenv.core.runtime.Task.sampling_seed`): the same weights give the same episodes whatever the
 batching (to float rounding), and two weights meet the same random numbers (on the ALFWorld demo that did not
 narrow the paired interval: docs/alfworld_demo.md, twelfth pass).
 With ``eval.samplers`` = k > 1 the plays are dealt round-robin to the policy and k-1 copies of it
-(:meth:`agentenv.hf_policy.HFPolicy.replica`), each sampling on its own thread with 1/k of the torch threads (restored
+(:meth:`agentenv.samplers.hf_policy.HFPolicy.replica`), each sampling on its own thread with 1/k of the torch threads (restored
 afterwards); seeded plays score the same whichever copy plays them.
 The same function serves periodic evaluation during a run, ``agentenv run --eval-only`` and ``agentenv eval``.
 The policy must already hold the weights to evaluate (the run loads the learner's current weights into it).
@@ -24,14 +24,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from agentenv.config import RunConfig
-from agentenv.episodes import env_factory, rollout_config, task_list
+from agentenv.core.config import RunConfig
+from agentenv.run.episodes import env_factory, rollout_config, task_list
 
 
 def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | None = None,
              samples: int | None = None, progress: bool = True) -> dict:
-    from agentenv.metrics import batch_metrics
-    from agentenv.runtime import mix_seed
+    from agentenv.core.metrics import batch_metrics
+    from agentenv.core.runtime import mix_seed
 
     tasks = task_list(cfg, split, limit=limit or cfg.eval.episodes, samples=samples or cfg.eval.samples_for(split))
     if cfg.eval.seed is not None:  # common random numbers across this run's evaluations (see EvalConfig.seed)
@@ -60,7 +60,7 @@ def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | N
 
 def _play(cfg: RunConfig, policy, split: str | None, tasks: list, progress: bool) -> list:
     """Every task's episodes, on ``eval.samplers`` copies of the policy at once (one thread each)."""
-    from agentenv.runtime import run_episodes
+    from agentenv.core.runtime import run_episodes
 
     make_env = env_factory(cfg, split)
 

@@ -27,7 +27,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from agentenv.cache import atomic_dir, cache_dir  # noqa: F401  (cache_dir: part of this module's API)
+from agentenv.core.cache import atomic_dir, cache_dir  # noqa: F401  (cache_dir: part of this module's API)
 
 # Qwen2.5's added tokens, in id order from 151643. <tool_call> / </tool_call> are not "special" (they survive
 # skip_special_tokens decoding), as in Qwen2.5.

@@ -4,7 +4,7 @@
 
 * ``"tiny"`` (or ``"tiny:<hidden>x<layers>"``): the built-in tiny Qwen2 model with the real Qwen2.5 vocabulary,
   materialised offline to a directory; ``"tiny-bpe"`` / ``"tiny-bpe:<hidden>x<layers>"``: the same network over the
-  small project-trained BPE (fast on a CPU; see :mod:`agentenv.tiny`); ``"tiny-bpe-alfworld[:HxL]"``: over the BPE
+  small project-trained BPE (fast on a CPU; see :mod:`agentenv.samplers.tiny`); ``"tiny-bpe-alfworld[:HxL]"``: over the BPE
   that also learned ALFWorld's text (the ALFWorld demo's model);
 * a local directory holding a transformers checkpoint (``config.json``);
 * a friendly alias from :data:`ALIASES` (``qwen2.5-7b`` -> ``Qwen/Qwen2.5-7B-Instruct``) or a hub id, looked up in the
@@ -59,13 +59,13 @@ def is_tiny(name: str) -> bool:
     return name.partition(":")[0] in TINY_VOCABS
 
 
-# tiny model spec base -> the vocabulary it is built over (agentenv.tiny.TinyConfig.vocab)
+# tiny model spec base -> the vocabulary it is built over (agentenv.samplers.tiny.TinyConfig.vocab)
 TINY_VOCABS = {"tiny": "qwen2.5", "tiny-bpe": "small", "tiny-bpe-alfworld": "small-alfworld"}
 
 
 def resolve_model(name: str) -> ResolvedModel:
     if is_tiny(name):
-        from agentenv.tiny import TinyConfig, materialize_tiny
+        from agentenv.samplers.tiny import TinyConfig, materialize_tiny
 
         base, _, shape = name.partition(":")
         cfg = TinyConfig(vocab=TINY_VOCABS[base])
@@ -100,11 +100,11 @@ def resolve_model(name: str) -> ResolvedModel:
 
 
 def load_hf_policy(name: str, *, seed: int = 0, device: str | None = None, dtype: str = "auto"):
-    """Resolve ``name`` and build an :class:`agentenv.hf_policy.HFPolicy` (tokenizer + model) from local files only."""
+    """Resolve ``name`` and build an :class:`agentenv.samplers.hf_policy.HFPolicy` (tokenizer + model) from local files only."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentenv.hf_policy import HFPolicy
+    from agentenv.samplers.hf_policy import HFPolicy
 
     rm = resolve_model(name)
     tok = AutoTokenizer.from_pretrained(rm.path, local_files_only=True)

@@ -2,9 +2,9 @@
 
 Contract:
 
-* Input: :class:`~agentenv.trajectory.Trajectory` objects. Token-level ones (from ``agentenv rollout`` of an LLM, or
+* Input: :class:`~agentenv.core.trajectory.Trajectory` objects. Token-level ones (from ``agentenv rollout`` of an LLM, or
   built by :func:`trajectory_from_messages`) are used as they are; text-only ones (scripted experts such as the
-  ALFWorld walkthrough) are tokenized from their ``messages`` through :class:`agentenv.chat.ChatSequence` -- the
+  ALFWorld walkthrough) are tokenized from their ``messages`` through :class:`agentenv.core.chat.ChatSequence` -- the
   same machinery the runtime uses -- so the tokens, the template glue and the ``action_mask`` are exactly what RL
   will see later.
 * Loss: mean negative log-likelihood over ``action_mask`` tokens (the assistant's own tokens incl. its end-of-turn
@@ -29,11 +29,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from agentenv.chat import ChatSequence
-from agentenv.policy import Generation
-from agentenv.trajectory import Trajectory
+from agentenv.core.chat import ChatSequence
+from agentenv.core.policy import Generation
+from agentenv.core.trajectory import Trajectory
 
-log = logging.getLogger("agentenv.sft")
+log = logging.getLogger("agentenv.run.sft")
 
 
 @dataclass
@@ -228,7 +228,7 @@ def save_checkpoint_dir(model, tokenizer, out: str | Path) -> Path:
 def load_model_and_tokenizer(name: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentenv.models import resolve_model
+    from agentenv.samplers.models import resolve_model
 
     rm = resolve_model(name)
     tok = AutoTokenizer.from_pretrained(rm.path, local_files_only=True)

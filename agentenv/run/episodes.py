@@ -5,10 +5,10 @@ One function each, used by training, evaluation and ``agentenv rollout`` alike:
 * :func:`env_factory(cfg, split)` -> a picklable ``make_env`` (gymnasium id + constructor kwargs; the turn limit and
   split come from the config through :func:`agentenv.envs.spec.make_kwargs`; ``env.tasks: demo`` adds the CPU demo's
   task set).
-* :func:`task_list(cfg, split, limit, samples)` -> runtime :class:`~agentenv.runtime.Task` objects: one per task the
+* :func:`task_list(cfg, split, limit, samples)` -> runtime :class:`~agentenv.core.runtime.Task` objects: one per task the
   env declares (:func:`agentenv.envs.spec.task_options`), or seeds ``0..env.num_tasks-1`` for an env without a task
   list. For training, an env with more tasks than ``env.num_tasks`` contributes a seeded subset of that size.
-* :func:`rollout_config(cfg, eval=...)` -> the runtime's :class:`~agentenv.runtime.RolloutConfig` (the ONE converter
+* :func:`rollout_config(cfg, eval=...)` -> the runtime's :class:`~agentenv.core.runtime.RolloutConfig` (the ONE converter
   from the ``rollout`` section; evaluation swaps in ``eval.temperature`` / ``eval.top_p`` when set).
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agentenv.config import RunConfig
+from agentenv.core.config import RunConfig
 from agentenv.envs import spec
 
 
@@ -24,7 +24,7 @@ def env_kwargs(cfg: RunConfig, split: str | None = None) -> dict:
     env_id = spec.resolve(cfg.env.id)
     kw = dict(cfg.env.kwargs)
     if cfg.env.tasks == "demo":
-        from agentenv import demo
+        from agentenv.run import demo
 
         kw.setdefault("tasks", [t.__dict__ for t in demo.demo_tasks(cfg.env.num_tasks, seed=cfg.loop.seed)])
         kw.setdefault("system_prompt", demo.SYSTEM_PROMPT)
@@ -43,7 +43,7 @@ def env_factory(cfg: RunConfig, split: str | None = None):
 
 
 def task_list(cfg: RunConfig, split: str | None = None, *, limit: int | None = None, samples: int = 1) -> list:
-    from agentenv.runtime import Task
+    from agentenv.core.runtime import Task
 
     env = env_factory(cfg, split)()
     try:
@@ -61,8 +61,8 @@ def task_list(cfg: RunConfig, split: str | None = None, *, limit: int | None = N
 
 
 def rollout_config(cfg: RunConfig, *, eval: bool = False, concurrency: int = 8):
-    from agentenv.policy import SamplingParams
-    from agentenv.runtime import RolloutConfig
+    from agentenv.core.policy import SamplingParams
+    from agentenv.core.runtime import RolloutConfig
 
     r = cfg.rollout
     temperature = (cfg.eval.temperature if eval and cfg.eval.temperature else None) or r.temperature

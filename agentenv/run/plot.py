@@ -1,6 +1,6 @@
 """PNG training curves from one or more run directories (``agentenv plot RUN_DIR [RUN_DIR ...]``).
 
-Contract: reads each run's ``metrics.jsonl`` (see :mod:`agentenv.metrics`), draws a 2x3 grid -- reward & success,
+Contract: reads each run's ``metrics.jsonl`` (see :mod:`agentenv.core.metrics`), draws a 2x3 grid -- reward & success,
 tool-call rate (share of trajectories with >= 1 call, and calls per trajectory), trust-gate acceptance rate, policy
 lag (mean and max), length (policy tokens per trajectory) and turns (with invalid actions per trajectory, ALFWorld's
 main failure, and the truncated share) -- with one colour per run (overlaid for comparison; light raw line + bold
@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from agentenv.metrics import read_metrics
+from agentenv.core.metrics import read_metrics
 
 PANELS = (
     ("Reward / success", [("reward_mean", "reward", "-"), ("success_rate", "success", "--")], (None, None)),
