@@ -86,7 +86,7 @@ def cmd_rollout(args) -> int:
     from agentenv.core.metrics import batch_metrics
     from agentenv.samplers.models import ModelNotAvailable
     from agentenv.core.policy import SamplingParams
-    from agentenv.core.runtime import RolloutConfig, Task, run_episodes
+    from agentenv.core.runtime import EpisodeSpec, RolloutConfig, run_episodes
     from agentenv.core.trajectory import JsonlWriter
 
     try:
@@ -111,7 +111,7 @@ def cmd_rollout(args) -> int:
         finally:
             env.close()
         k = math.ceil(args.episodes / max(1, len(options)))
-        tasks = [Task(seed=args.seed + i, options=dict(o), meta={"sample": j})
+        tasks = [EpisodeSpec(seed=args.seed + i, options=dict(o), meta={"sample": j})
                  for i, o in enumerate(options) for j in range(k)][: args.episodes] or None
     cfg = RolloutConfig(max_turns=args.max_turns or 1_000_000, max_total_tokens=args.max_total_tokens, concurrency=args.concurrency,
                         sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -38,7 +38,7 @@ from agentenv.core.config import LoopConfig
 from agentenv.trainer.loop import Trainer
 
 from agentenv.core.policy import SamplingParams
-from agentenv.core.runtime import RolloutConfig, Task
+from agentenv.core.runtime import EpisodeSpec, RolloutConfig
 
 _LAT_LOCK = threading.Lock()
 LATENCIES: list[float] = []
@@ -189,7 +189,7 @@ def run(mode: str, args, make_policy, weights: dict) -> dict:
                             sampling=SamplingParams(max_new_tokens=args.max_new_tokens))
     tr = Trainer(cfg, rollout=rollout, make_env=lambda: SlowEnv(args.median_ms / 1000, args.sigma, args.turns),
                  make_policy=make_policy, learner=SleepLearner(args.learner_s, weights),
-                 tasks=[Task(seed=i) for i in range(4096)])
+                 tasks=[EpisodeSpec(seed=i) for i in range(4096)])
     s = tr.run()
     hist = tr.history
     s["lag_mean"] = float(np.mean([m["lag_mean"] for m in hist])) if hist else 0.0

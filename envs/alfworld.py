@@ -24,16 +24,12 @@ Contract
   that is not admissible, leaves the game unchanged, is answered with an observation that says why, sets
   ``info["invalid_action"]`` and costs a turn; the ``invalid_action_budget``-th invalid action ends the episode
   (``terminated``, ``finish_reason="invalid_action_budget"``).
-* ``numbered_actions=True`` numbers the list (``1. go to desk 1``) and the reply may name a command by its number
-  (``<action>1</action>``) as well as by its text (:data:`NUMBERED_SYSTEM_PROMPT_TEMPLATE`; :func:`resolve_command`):
-  the policy then chooses among the listed commands rather than spelling one out. Game, reward and limits are the
-  same; ``info["numbered_actions"]`` says which format is in force.
 * ``nearest_match=True`` plays a tagged command that is not admissible as the admissible one closest to it in spelling
   among those with the same verb and object -- numbers and places may differ, the object acted on may not
   (:func:`nearest_command`; :data:`NEAREST_SYSTEM_PROMPT_TEMPLATE`) -- and the observation starts with
   ``(Read as "COMMAND".)``; ``info["approximate_action"]`` marks that step and ``info["approximate_actions"]`` counts
   them. A command on an object that no admissible command names (``take book 1 ...`` with no book at hand), or a
-  reply without a tag, is invalid. Exclusive with ``numbered_actions``.
+  reply without a tag, is invalid.
 * ``restate_goal=True`` repeats the opening's ``Your task is to: ...`` line in every later observation, just before
   the admissible list, so the goal's object and receptacle sit next to the commands that name them. The game is the
   same; only the text grows (~12 tokens a turn).
@@ -105,18 +101,6 @@ admissible actions. Reply with exactly one of those actions, copied from the lis
 You may reason before the tag; only the last <action>...</action> in your reply is used. Case and extra spaces do \
 not matter. A reply without the tag, or with an action that is not in the list, is invalid: nothing happens, it \
 costs a turn, and {budget}. You have {max_turns} turns. The episode ends as soon as the task is done."""
-
-# numbered_actions=True: the list is numbered and the reply names a number. A policy then chooses among the listed
-# commands instead of spelling one out. The CPU demo tried it and kept spelled-out commands: its tiny model copies a
-# command more reliably than the digits in front of it (docs/alfworld_demo.md, "Second pass").
-NUMBERED_SYSTEM_PROMPT_TEMPLATE = """\
-You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the numbered list \
-of admissible actions. Reply with the number of exactly one of those actions inside an action tag, for example:
-<action>3</action>
-You may reason before the tag; only the last <action>...</action> in your reply is used. The action itself, copied \
-from the list, is accepted too. A reply without the tag, or with a number or action that is not in the list, is \
-invalid: nothing happens, it costs a turn, and {budget}. You have {max_turns} turns. The episode ends as soon as the \
-task is done."""
 
 
 class ALFWorldDataError(FileNotFoundError):
@@ -398,11 +382,10 @@ def _install_parse_memos() -> None:
     pddl_logic.GameLogic = lambda domain, grammar: shared_logic(domain, grammar)
 
 
-def _format_commands(commands: list[str], numbered: bool = False, compact: bool = False) -> str:
+def _format_commands(commands: list[str], compact: bool = False) -> str:
     if compact:
         commands = [GO_TO_LINE] + [c for c in commands if not c.startswith("go to ") and c not in ALWAYS_ADMISSIBLE]
-    lines = (f"{i}. {c}" for i, c in enumerate(commands, 1)) if numbered else commands
-    return "Admissible actions:\n" + "\n".join(lines)
+    return "Admissible actions:\n" + "\n".join(commands)
 
 
 def _verb_and_object(command: str) -> tuple[str, str]:
@@ -428,19 +411,14 @@ def nearest_command(command: str, commands: list[str]) -> str | None:
     return max(candidates, key=ratio)
 
 
-def resolve_command(reply: str, commands: list[str], numbered: bool, nearest: bool = False) -> tuple[str | None, str | None]:
+def resolve_command(reply: str, commands: list[str], nearest: bool = False) -> tuple[str | None, str | None]:
     """``(command, None)`` for an admissible reply, else ``(None, why)``: the observation text for an invalid one.
-    With ``numbered``, a tag holding a list number ``i`` (1-based) names ``commands[i - 1]``. With ``nearest``, a tagged
+    With ``nearest``, a tagged
     command that is not admissible resolves to :func:`nearest_command` (the caller compares it with
     :func:`parse_action` to tell the agent)."""
     command = parse_action(reply)
     if command is None:
         return None, "Invalid action: your reply has no <action>...</action> tag. Nothing happens."
-    if numbered and command.isdigit():
-        i = int(command)
-        if 1 <= i <= len(commands):
-            return commands[i - 1], None
-        return None, f"Invalid action: {i} is not the number of an admissible action (1-{len(commands)}). Nothing happens."
     if command not in commands:
         if nearest:
             if (near := nearest_command(command, commands)) is not None:
@@ -466,7 +444,6 @@ class ALFWorldEnv(TextEnv):
         invalid_action_budget: int | None = 10,
         task_types: Iterable[str] | None = None,
         expert: bool = False,
-        numbered_actions: bool = False,
         nearest_match: bool = False,
         restate_goal: bool = False,
         compact_list: bool = False,
@@ -483,21 +460,15 @@ class ALFWorldEnv(TextEnv):
         self.max_turns = max_turns
         self.invalid_action_budget = invalid_action_budget
         self.expert = expert
-        self.numbered_actions = bool(numbered_actions)
         self.nearest_match = bool(nearest_match)
         self.restate_goal = bool(restate_goal)
         self.compact_list = bool(compact_list)
-        if self.numbered_actions and self.compact_list:
-            raise ValueError("numbered_actions and compact_list are exclusive: a number names a line of the full list")
-        if self.numbered_actions and self.nearest_match:
-            raise ValueError("numbered_actions and nearest_match are exclusive: a number is read exactly or not at all")
         budget = (
             f"after {invalid_action_budget} invalid actions the episode ends"
             if invalid_action_budget is not None
             else "invalid actions are not otherwise limited"
         )
         template = (COMPACT_SYSTEM_PROMPT_TEMPLATE if self.compact_list
-                    else NUMBERED_SYSTEM_PROMPT_TEMPLATE if self.numbered_actions
                     else NEAREST_SYSTEM_PROMPT_TEMPLATE if self.nearest_match else SYSTEM_PROMPT_TEMPLATE)
         self.system_prompt = template.format(budget=budget, max_turns=max_turns,
                                              matching=COMPACT_MATCHING[self.nearest_match])
@@ -603,11 +574,10 @@ class ALFWorldEnv(TextEnv):
 
     def _step(self, action: str) -> tuple[str, float, bool, bool, dict]:
         self._turn += 1
-        command, text = resolve_command(action, self._state.admissible_commands, self.numbered_actions,
-                                        self.nearest_match)
+        command, text = resolve_command(action, self._state.admissible_commands, self.nearest_match)
         invalid = command is None
         written = parse_action(action)
-        approximate = not invalid and written != command and not (self.numbered_actions and written.isdigit())
+        approximate = not invalid and written != command
         if invalid:
             self._invalid += 1
         else:
@@ -648,7 +618,7 @@ class ALFWorldEnv(TextEnv):
         super().close()
 
     def _commands_text(self) -> str:
-        return _format_commands(self._state.admissible_commands, self.numbered_actions, self.compact_list)
+        return _format_commands(self._state.admissible_commands, self.compact_list)
 
     def _info(self, success: bool) -> dict:
         info = {
@@ -660,7 +630,6 @@ class ALFWorldEnv(TextEnv):
             "invalid_actions": self._invalid,
             "approximate_actions": self._approximate,
             "admissible_commands": list(self._state.admissible_commands),
-            "numbered_actions": self.numbered_actions,
             "success": success,
         }
         if self.expert and not self._done:
@@ -728,14 +697,14 @@ class ALFWorldEnv(TextEnv):
 
 # ------------------------------------------------------------------------------------------------------ evaluation
 def evaluation_tasks(split: str, k: int = 1, data_dir: str | os.PathLike | None = None, task_types: Iterable[str] | None = None) -> list:
-    """Every game of ``split`` ``k`` times, in the split's sorted order: runtime :class:`~agentenv.core.runtime.Task`
+    """Every game of ``split`` ``k`` times, in the split's sorted order: runtime :class:`~agentenv.core.runtime.EpisodeSpec`
     objects with ``options={"game": index}`` and ``meta={"game": index, "sample": j}``."""
-    from agentenv.core.runtime import Task
+    from agentenv.core.runtime import EpisodeSpec
 
     if k < 1:
         raise ValueError(f"k (samples per game) must be >= 1, got {k}")
     n = len(list_games(split, data_dir, task_types))
-    return [Task(options={"game": i}, meta={"game": i, "sample": j}) for i in range(n) for j in range(k)]
+    return [EpisodeSpec(options={"game": i}, meta={"game": i, "sample": j}) for i in range(n) for j in range(k)]
 
 
 def success_report(trajectories: Iterable) -> dict:

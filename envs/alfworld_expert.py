@@ -1,7 +1,6 @@
 """The ALFWorld expert: a non-LLM :class:`~agentenv.core.policy.TextPolicy` that plays ``info["expert_action"]``.
 
-Contract: ``ALFWorldExpert().act(messages, info)`` returns ``"<action>COMMAND</action>"`` (``"<action>N</action>"``, the
-command's list number, when ``info["numbered_actions"]``) for the command that the env
+Contract: ``ALFWorldExpert().act(messages, info)`` returns ``"<action>COMMAND</action>"`` for the command that the env
 (:class:`~agentenv.envs.alfworld.ALFWorldEnv` built with ``expert=True``) put in ``info["expert_action"]``: the
 game's stored walkthrough while the episode follows it, a PDDL-planner plan otherwise. It reads nothing but ``info``, so it
 goes through the normal env interface (parsing, admissibility, turn accounting) like any other policy, and a miswired
@@ -53,7 +52,4 @@ class ALFWorldExpert:
 
     @staticmethod
     def _reply(command: str, info: dict) -> str:
-        """The tag as the env's format asks for it: the command's list number under ``numbered_actions``."""
-        if info.get("numbered_actions"):
-            return f"<action>{info['admissible_commands'].index(command) + 1}</action>"
         return f"<action>{command}</action>"

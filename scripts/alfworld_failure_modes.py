@@ -4,7 +4,7 @@
 
 Each episode of a pick-and-place or look-at-in-light game falls in exactly one row, by the first thing that went
 wrong for the object its task names (read from the opening's "Your task is to: ..." line, as
-``agentenv.envs.alfworld_searcher.parse_goal`` reads it):
+``alfworld_searcher.parse_goal``, beside this script, reads it):
 
 * ``won``;
 * ``took another object first``: the first object picked up was not the goal's -- ``swapped`` counts those where the
@@ -28,7 +28,9 @@ import sys
 from pathlib import Path
 
 from agentenv.envs.alfworld import parse_action
-from agentenv.envs.alfworld_searcher import parse_goal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the searcher lives beside this script
+from alfworld_searcher import parse_goal  # noqa: E402
 
 ROWS = ["won", "took another object first", "took it, did not finish", "saw it, never took it", "never saw it"]
 HEADS = dict(zip(ROWS, ["won", "other obj first", "goal, unfinished", "saw, not taken", "never saw"]))

@@ -9,7 +9,7 @@ types once through the runtime, with the demo preset's env settings and turn lim
 
 * ``walkthrough`` (:class:`~agentenv.envs.alfworld_expert.ALFWorldExpert`) replays the game's stored plan: it walks
   straight to the object, so its plays are short and show every skill once (take, open, deliver, use the lamp);
-* ``searcher`` (:class:`~agentenv.envs.alfworld_searcher.ALFWorldSearcher`) knows only what the agent sees and visits
+* ``searcher`` (``ALFWorldSearcher`` (``scripts/alfworld_searcher.py``)) knows only what the agent sees and visits
   receptacles in a random order. ``--keep all`` (the default) also keeps its lost plays: they act exactly as its won
   ones do, only its luck ran out; keeping only wins would teach where the objects were (``--keep won``).
 
@@ -26,6 +26,7 @@ import io
 import json
 import lzma
 import random
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -93,8 +94,9 @@ def _play(args) -> list[dict]:
 
     import agentenv  # noqa: F401  (registers the envs)
     from agentenv.envs.alfworld_expert import ALFWorldExpert
-    from agentenv.envs.alfworld_searcher import ALFWorldSearcher
-    from agentenv.core.runtime import RolloutConfig, Task, run_episodes
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the searcher lives beside this script
+    from alfworld_searcher import ALFWorldSearcher
+    from agentenv.core.runtime import EpisodeSpec, RolloutConfig, run_episodes
 
     root, preset, player, index = args
     policy = ALFWorldSearcher(order="random") if player == "searcher" else ALFWorldExpert()
@@ -103,7 +105,7 @@ def _play(args) -> list[dict]:
     def make_env():
         return gym.make("agentenv/ALFWorld-v0", split="train", **kw)
 
-    tasks = [Task(seed=i, options={"game": i}, meta={"game": i, "player": player}) for i in index]
+    tasks = [EpisodeSpec(seed=i, options={"game": i}, meta={"game": i, "player": player}) for i in index]
     cfg = RolloutConfig(max_turns=preset["rollout"]["max_turns"], concurrency=1)
     trajs = run_episodes(make_env, policy, len(tasks), cfg, tasks=tasks)
     keep = ("env", "task", "task_type", "model", "messages", "reward", "success", "terminated", "truncated",

@@ -245,14 +245,14 @@ def test_seeded_draws_follow_the_processed_distribution(tiny_policy):
 
 
 def test_seeded_episodes_replay_whatever_the_concurrency(chatty_policy):
-    """Episodes with a ``Task.sampling_seed`` are the same token for token whether they run one at a time or three
+    """Episodes with a ``EpisodeSpec.sampling_seed`` are the same token for token whether they run one at a time or three
     at once (batched differently every turn): what evaluation relies on to pair two evaluations' draws."""
-    from agentenv.core.runtime import Task
+    from agentenv.core.runtime import EpisodeSpec
 
     def play(concurrency):
         cfg = RolloutConfig(max_turns=3, max_total_tokens=400, concurrency=concurrency,
                             sampling=SamplingParams(temperature=1.0, max_new_tokens=16))
-        tasks = [Task(seed=i % 2, sampling_seed=100 + i) for i in range(5)]
+        tasks = [EpisodeSpec(seed=i % 2, sampling_seed=100 + i) for i in range(5)]
         trajs = run_episodes(lambda: gym.make("agentenv/GuessNumber-v0"), chatty_policy, 5, cfg, tasks=tasks)
         return {t.meta["sampling_seed"]: t.token_ids for t in trajs}
 

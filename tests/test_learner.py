@@ -198,7 +198,7 @@ def test_resume_gives_the_same_next_update_bitwise(base, tmp_path):
     a = Learner(copy.deepcopy(base), cfg)
     a.update(b1)
     path = tmp_path / "ckpt" / "learner.pt"
-    a.save(path)
+    ckpt.atomic_save(a.state_dict(), path)
     draw_after_save = torch.rand(4)
     stats_a = a.update(b2)
 
@@ -207,7 +207,7 @@ def test_resume_gives_the_same_next_update_bitwise(base, tmp_path):
         for p in other.parameters():
             p.normal_()  # different weights: everything must come from the checkpoint
     b = Learner(other, cfg)
-    b.load(path)
+    b.load_state_dict(ckpt.load(path))
     assert torch.equal(torch.rand(4), draw_after_save)  # RNG restored
     assert (b.step, b.policy_version) == (1, 1)
     stats_b = b.update(b2)
@@ -231,7 +231,7 @@ def test_tail_average_is_the_mean_of_the_weights_after_each_of_the_last_n_update
         after.append(params_of(a))
         assert a.average.count == max(0, i + 1 - 2)  # updates 3, 4, 5 are the window
         if i == 2:
-            a.save(tmp_path / "mid.pt")  # one update into the window
+            ckpt.atomic_save(a.state_dict(), tmp_path / "mid.pt")  # one update into the window
     assert not all(torch.equal(x, y) for x, y in zip(after[2], after[4]))  # the weights moved: a mean means something
     expected = [torch.stack(ws).double().mean(0).float() for ws in zip(*after[2:])]
     version = a.policy_version
@@ -243,7 +243,7 @@ def test_tail_average_is_the_mean_of_the_weights_after_each_of_the_last_n_update
 
     # a learner resumed inside the window averages the same updates (the running mean is in the checkpoint)
     b = Learner(copy.deepcopy(base), cfg)
-    b.load(tmp_path / "mid.pt")
+    b.load_state_dict(ckpt.load(tmp_path / "mid.pt"))
     assert b.average.count == 1
     for batch in batches[3:]:
         b.update(batch)

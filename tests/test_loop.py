@@ -17,11 +17,10 @@ from agentenv.core.config import LoopConfig
 from agentenv.trainer.backends import GymEnvFactory
 from agentenv.trainer.dispatch import PromptSampler
 from agentenv.trainer.loop import Trainer
-from agentenv.trainer.workers import WorkerCrash
 from signal_env import CoinEnvFactory, ShortTurnTinyFactory
 
 from agentenv.core.policy import SamplingParams
-from agentenv.core.runtime import RolloutConfig, Task
+from agentenv.core.runtime import EpisodeSpec, RolloutConfig
 
 torch = pytest.importorskip("torch")
 
@@ -71,7 +70,7 @@ def cfg(**kw):
     return LoopConfig(**base)
 
 
-TASKS = [Task(seed=i) for i in range(12)]
+TASKS = [EpisodeSpec(seed=i) for i in range(12)]
 ENV = CoinEnvFactory()  # GuessNumber whose reward varies, so the learner really steps
 GUESS = GymEnvFactory("agentenv/GuessNumber-v0")
 
@@ -88,8 +87,22 @@ def books_balance(s):
     assert s["dropped"] == sum(s[f"dropped_{r}"] for r in ("stale", "worker_crash", "env_timeout", "error"))
 
 
+class RecordingTrainer(Trainer):
+    """Records the prompt index of every episode it starts, in order (what resume must reproduce)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.issued: list[int] = []
+
+    def _start(self, prompt, group_id):
+        started = super()._start(prompt, group_id)
+        if started:
+            self.issued.append(prompt)
+        return started
+
+
 def run(c, tiny, learner, tasks=TASKS, env=ENV, on_update=None, **kw):
-    tr = Trainer(c, rollout=ROLLOUT, make_env=env, make_policy=TinyPolicyFactory(tiny), learner=learner, tasks=tasks,
+    tr = RecordingTrainer(c, rollout=ROLLOUT, make_env=env, make_policy=TinyPolicyFactory(tiny), learner=learner, tasks=tasks,
                  on_update=on_update, **kw)
     summary = tr.run()
     return tr, summary
@@ -194,6 +207,10 @@ def test_killed_worker_loses_only_its_in_flight_episodes(tiny):
     assert loop_threads() == []
 
 
+class WorkerCrash(BaseException):
+    """Not an ``Exception``: run_episode does not catch it, so it takes the worker down (a simulated crash)."""
+
+
 class CrashOnSeed(gym.Wrapper):
     """reset() raises a BaseException that run_episode does not catch: the worker dies, as a crashed process would.
     (reset, not step: the tiny model rarely ends a turn, and an unfinished turn ends the episode before env.step.)"""
@@ -227,7 +244,7 @@ class HangOnSeed(gym.Wrapper):
 
 def test_crashing_env_takes_down_one_worker_and_the_run_goes_on(tiny):
     learner = make_learner(tiny)
-    tasks = [Task(seed=100)] * 2 + [Task(seed=i) for i in range(10)]
+    tasks = [EpisodeSpec(seed=100)] * 2 + [EpisodeSpec(seed=i) for i in range(10)]
     _, s = run(cfg(total_updates=3), tiny, learner, tasks=tasks, env=lambda: CrashOnSeed(GUESS(), {100}))
     assert s["updates"] == 3
     assert s["worker_restarts"] >= 1 and s["dropped_worker_crash"] >= 2  # the two crashing episodes at least
@@ -237,7 +254,7 @@ def test_crashing_env_takes_down_one_worker_and_the_run_goes_on(tiny):
 
 def test_hanging_env_is_timed_out_and_counted(tiny):
     learner = make_learner(tiny)
-    tasks = [Task(seed=i) for i in range(12)]
+    tasks = [EpisodeSpec(seed=i) for i in range(12)]
     holder = {}
 
     def on_update(m):
@@ -293,7 +310,7 @@ def test_sigint_stops_cleanly_and_resume_continues_step_and_data_order(tiny, tmp
 
     learner2 = make_learner(tiny)
     seen = []
-    tr2 = Trainer(cfg(total_updates=4), rollout=ROLLOUT, run_dir=tmp_path, resume=True, make_env=ENV,
+    tr2 = RecordingTrainer(cfg(total_updates=4), rollout=ROLLOUT, run_dir=tmp_path, resume=True, make_env=ENV,
                   make_policy=TinyPolicyFactory(tiny), learner=learner2, tasks=TASKS, on_update=seen.append)
     assert tr2.step == 2 and learner2.step == 2 and learner2.policy_version == tr1.learner.policy_version
     s2 = tr2.run()
@@ -372,7 +389,7 @@ def test_cancel_racing_an_episode_finish_never_pools_a_closed_env():
 
     sink = _queue.Queue()
     w = RacyWorker(0, make_env, Scripted(), RC(max_turns=1, sampling=SP(max_new_tokens=4)), sink=sink)
-    w.submit(0, Task(seed=1))
+    w.submit(0, EpisodeSpec(seed=1))
     assert finished.wait(30)
     w.cancel(0)
     go.set()
@@ -383,7 +400,7 @@ def test_cancel_racing_an_episode_finish_never_pools_a_closed_env():
     assert envs[0].closed == 1  # closed once, by cancel
     assert w._pool == [] and sink.empty()  # not reused, result discarded
     RacyWorker._settle = RolloutWorker._settle  # the next episode settles normally
-    w.submit(1, Task(seed=2))
+    w.submit(1, EpisodeSpec(seed=2))
     ev = sink.get(timeout=30)
     assert ev[0] == "done" and len(envs) == 2 and envs[1].closed == 0  # a fresh env, not the closed one
     assert w.close() == 0
@@ -427,7 +444,7 @@ def test_an_episode_cancelled_while_sampling_never_steps_its_env_again(caplog):
     sink = _queue.Queue()
     w = RolloutWorker(0, make_env, SlowScripted(), RC(max_turns=3, sampling=SP(max_new_tokens=4)), sink=sink,
                       cancel_grace_s=5.0)
-    w.submit(0, Task(seed=1))
+    w.submit(0, EpisodeSpec(seed=1))
     assert thinking.wait(30)
     with caplog.at_level(logging.INFO, logger="agentenv.core.runtime"):
         w.cancel(0)

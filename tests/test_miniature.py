@@ -141,6 +141,20 @@ def test_alfworld_vocabulary_writes_a_command_with_the_same_tokens_as_the_admiss
         small_tokenizer("nope")
 
 
+def test_alfworld_vocabulary_is_frozen():
+    """The small-alfworld corpus (and so the vocabulary every tiny-bpe-alfworld model is built over) never changes
+    silently: not when the env's prompt is reworded (tiny.py keeps its own copy), not when the cache is rebuilt."""
+    import hashlib
+
+    from agentenv.samplers import tiny
+
+    corpus = hashlib.sha256("\x00".join(tiny._alfworld_corpus()).encode()).hexdigest()
+    assert corpus == "19109dfa9d633825783f1308ec4d07f4973700f40250de8fce85051b92b9c559"
+    vocab = sorted(tiny.small_tokenizer("small-alfworld").get_vocab().items())
+    assert hashlib.sha256(json.dumps(vocab).encode()).hexdigest() == \
+        "9df8e8cfdb8655b00ec216def11a5234f78facb646bfb1004353d24175b70083"
+
+
 # ------------------------------------------------------------------------------------------------ plan and CLI
 def test_expert_demos_need_an_env_with_an_expert(capsys):
     from agentenv.cli import main
@@ -165,13 +179,13 @@ alfworld = pytest.importorskip("alfworld", reason="alfworld is not installed (pi
 def test_noisy_expert_takes_detours_and_still_wins():
     from agentenv.envs.alfworld import SAMPLE_DIR, ALFWorldEnv
     from agentenv.envs.alfworld_expert import ALFWorldExpert
-    from agentenv.core.runtime import RolloutConfig, Task, run_episode
+    from agentenv.core.runtime import EpisodeSpec, RolloutConfig, run_episode
 
     env = ALFWorldEnv("train", SAMPLE_DIR, max_turns=40, expert=True, task_types=["pick_and_place"])
     try:
-        clean = run_episode(env, ALFWorldExpert(), RolloutConfig(max_turns=41), Task(options={"game": 0}))
+        clean = run_episode(env, ALFWorldExpert(), RolloutConfig(max_turns=41), EpisodeSpec(options={"game": 0}))
         noisy = run_episode(env, ALFWorldExpert(noise=0.5, seed=3), RolloutConfig(max_turns=41),
-                            Task(options={"game": 0}))
+                            EpisodeSpec(options={"game": 0}))
     finally:
         env.close()
     assert clean.success and noisy.success

@@ -200,11 +200,11 @@ class ScriptedSolver:
 
 
 def test_scripted_policy_through_the_runtime(tmp_path):
-    from agentenv.core.runtime import RolloutConfig, Task as Episode, run_episode
+    from agentenv.core.runtime import EpisodeSpec, RolloutConfig, run_episode
 
     env = make_env("subprocess" if BWRAP_MISSING else "bubblewrap", num_tasks=8)
     try:
-        traj = run_episode(env, ScriptedSolver(), RolloutConfig(max_turns=10), Episode(seed=0, options={"task_index": 0}))
+        traj = run_episode(env, ScriptedSolver(), RolloutConfig(max_turns=10), EpisodeSpec(seed=0, options={"task_index": 0}))
     finally:
         env.close()
     assert (traj.reward, traj.success, traj.finish_reason, traj.num_turns) == (1.0, True, "done", 2)

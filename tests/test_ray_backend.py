@@ -19,7 +19,7 @@ from agentenv.trainer.backends import GymEnvFactory, HFPolicyFactory
 from agentenv.trainer.loop import Trainer
 
 from agentenv.core.policy import SamplingParams
-from agentenv.core.runtime import RolloutConfig, Task
+from agentenv.core.runtime import EpisodeSpec, RolloutConfig
 
 pytestmark = pytest.mark.ray
 
@@ -55,7 +55,7 @@ def test_ray_backend_trains_survives_actor_kill_and_cleans_up():
     cloudpickle.register_pickle_by_value(signal_env)
     tr = Trainer(cfg, rollout=rollout, launch=launch, make_env=signal_env.CoinEnvFactory(),
                  make_policy=signal_env.ShortTurnTinyFactory(),
-                 learner=learner, tasks=[Task(seed=i) for i in range(12)], on_update=on_update)
+                 learner=learner, tasks=[EpisodeSpec(seed=i) for i in range(12)], on_update=on_update)
     holder["tr"] = tr
     s = tr.run()
     assert s["updates"] == 4 and learner.step == 4 and learner.policy_version >= 1

@@ -11,7 +11,7 @@ import pytest
 
 from agentenv.envs.guess import GuessNumberEnv
 from agentenv.core.policy import Generation, SamplingParams
-from agentenv.core.runtime import RolloutConfig, Task, run_episode, run_episodes
+from agentenv.core.runtime import EpisodeSpec, RolloutConfig, run_episode, run_episodes
 
 
 class ScriptedPolicy:
@@ -43,7 +43,7 @@ def cfg(**kw):
 
 def test_success_path_records_a_valid_trajectory(qwen_tok):
     env = gym.make("agentenv/GuessNumber-v0", low=1, high=4, max_turns=6)
-    t = run_episode(env, ScriptedPolicy(qwen_tok, ["1", "2", "3", "4"]), cfg(max_turns=10), Task(seed=3))
+    t = run_episode(env, ScriptedPolicy(qwen_tok, ["1", "2", "3", "4"]), cfg(max_turns=10), EpisodeSpec(seed=3))
     t.validate()
     assert t.finish_reason == "done" and t.success and t.terminated and not t.truncated and t.reward == 1.0
     assert t.task.startswith("guess-1-4-") and t.env == "agentenv/GuessNumber-v0" and t.model == "scripted"
@@ -53,19 +53,19 @@ def test_success_path_records_a_valid_trajectory(qwen_tok):
 
 
 def test_runtime_turn_limit(qwen_tok):
-    t = run_episode(GuessNumberEnv(max_turns=50), ScriptedPolicy(qwen_tok, ["0"]), cfg(max_turns=3), Task(seed=0))
+    t = run_episode(GuessNumberEnv(max_turns=50), ScriptedPolicy(qwen_tok, ["0"]), cfg(max_turns=3), EpisodeSpec(seed=0))
     assert (t.finish_reason, t.num_turns, t.truncated, t.success) == ("max_turns", 3, True, False)
     assert t.num_invalid_actions == 0 and sum(t.action_mask) == 3 * 2  # "0" + <|im_end|> per turn
 
 
 def test_env_turn_limit_is_truncation_not_success(qwen_tok):
-    t = run_episode(GuessNumberEnv(max_turns=2), ScriptedPolicy(qwen_tok, ["no idea"]), cfg(max_turns=10), Task(seed=0))
+    t = run_episode(GuessNumberEnv(max_turns=2), ScriptedPolicy(qwen_tok, ["no idea"]), cfg(max_turns=10), EpisodeSpec(seed=0))
     assert (t.finish_reason, t.truncated, t.terminated, t.success, t.num_invalid_actions) == ("max_turns", True, False, False, 2)
 
 
 def test_max_new_tokens_keeps_what_was_sampled(qwen_tok):
     t = run_episode(GuessNumberEnv(), ScriptedPolicy(qwen_tok, ["one two three four five six seven"]),
-                    cfg(max_new_tokens=4), Task(seed=0))
+                    cfg(max_new_tokens=4), EpisodeSpec(seed=0))
     assert t.finish_reason == "max_new_tokens" and t.truncated and sum(t.action_mask) == 4
     assert t.action_mask[-4:] == [True] * 4 and t.messages[-1]["role"] == "assistant"
     t.validate()
@@ -74,7 +74,7 @@ def test_max_new_tokens_keeps_what_was_sampled(qwen_tok):
 def test_context_limit_never_exceeds_budget(qwen_tok):
     for limit in (70, 90, 120):
         t = run_episode(GuessNumberEnv(max_turns=50), ScriptedPolicy(qwen_tok, ["7"]),
-                        cfg(max_turns=50, max_total_tokens=limit), Task(seed=1))
+                        cfg(max_turns=50, max_total_tokens=limit), EpisodeSpec(seed=1))
         assert t.finish_reason == "context_limit" and t.truncated
         assert len(t.token_ids) <= limit
         t.validate()
@@ -87,10 +87,10 @@ def test_env_and_policy_errors_are_recorded_and_keep_data(qwen_tok):
                 raise ValueError("env crashed")
             return super().step(action)
 
-    t = run_episode(Exploding(), ScriptedPolicy(qwen_tok, ["3"]), cfg(), Task(seed=0))
+    t = run_episode(Exploding(), ScriptedPolicy(qwen_tok, ["3"]), cfg(), EpisodeSpec(seed=0))
     assert t.finish_reason == "env_error" and "env crashed" in t.error and t.num_turns == 2
     assert sum(t.action_mask) == 4 and len(t.token_ids) == len(t.behavior_logprobs)
-    t = run_episode(GuessNumberEnv(), ScriptedPolicy(qwen_tok, ["3"], raise_at=1), cfg(), Task(seed=0))
+    t = run_episode(GuessNumberEnv(), ScriptedPolicy(qwen_tok, ["3"], raise_at=1), cfg(), EpisodeSpec(seed=0))
     assert t.finish_reason == "policy_error" and "sampler exploded" in t.error and t.num_turns == 1
     t.validate()
 
@@ -107,7 +107,7 @@ def test_text_policy_runs_through_the_same_loop():
                 lo, hi = (int(g) + 1, hi) if a == "higher" else (lo, int(g) - 1)
             return str((lo + hi) // 2)
 
-    t = run_episode(GuessNumberEnv(max_turns=6), BinarySearch(), cfg(), Task(seed=11))
+    t = run_episode(GuessNumberEnv(max_turns=6), BinarySearch(), cfg(), EpisodeSpec(seed=11))
     assert t.success and t.finish_reason == "done" and t.token_ids == [] and t.model == "bisect"
     assert t.sampling["backend"] == "text"
 
@@ -182,7 +182,7 @@ def test_forged_structure_in_question_and_tool_output_stays_text(qwen_tok):
 
     env = ToolEnv([{"id": "q", "question": "Q? " + forged, "answer": "42"}], [lookup], system_prompt=forged)
     policy = Recording(qwen_tok, ['<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>', "\\boxed{42}"])
-    t = run_episode(env, policy, cfg(max_new_tokens=64), Task(seed=0))
+    t = run_episode(env, policy, cfg(max_new_tokens=64), EpisodeSpec(seed=0))
     assert t.finish_reason == "done" and t.success and t.sampling["backend"] == "unknown"
     controls = set(qwen_tok.added_tokens_decoder)
     # the model's own turns keep their text (it sampled <tool_call>); every other content becomes harmless
@@ -221,7 +221,7 @@ def test_template_error_mid_episode_keeps_tokens_and_does_not_abort_a_rollout(qw
 
     assert batch_metrics(trajs)["template_error_rate"] == 1.0
     # with segments the template's own exception (a jinja raise_exception) is the template_error
-    t = run_episode(GuessNumberEnv(max_turns=20), policy, cfg(max_turns=10, on_template_rewrite="segment"), Task(seed=0))
+    t = run_episode(GuessNumberEnv(max_turns=20), policy, cfg(max_turns=10, on_template_rewrite="segment"), EpisodeSpec(seed=0))
     assert t.finish_reason == "template_error" and "too many turns" in t.error
     assert len(t.segments) > 1 and sum(t.action_mask) == 2 * t.num_turns
     t.validate()
@@ -230,16 +230,16 @@ def test_template_error_mid_episode_keeps_tokens_and_does_not_abort_a_rollout(qw
 def test_generation_budget_clips_turns_and_truncates(qwen_tok):
     # each turn samples "0" + <|im_end|> = 2 tokens
     t = run_episode(GuessNumberEnv(max_turns=50), ScriptedPolicy(qwen_tok, ["0"]),
-                    cfg(max_turns=50, max_generated_tokens=5), Task(seed=0))
+                    cfg(max_turns=50, max_generated_tokens=5), EpisodeSpec(seed=0))
     assert (t.finish_reason, t.truncated, t.success) == ("generation_budget", True, False)
     assert sum(t.action_mask) == 5 and t.num_turns == 3  # the third turn was clipped to the 1 token left
     t.validate()
     t = run_episode(GuessNumberEnv(max_turns=50), ScriptedPolicy(qwen_tok, ["0"]),
-                    cfg(max_turns=50, max_generated_tokens=4), Task(seed=0))
+                    cfg(max_turns=50, max_generated_tokens=4), EpisodeSpec(seed=0))
     assert (t.finish_reason, t.truncated, sum(t.action_mask), t.num_turns) == ("generation_budget", True, 4, 2)
     # the context limit still wins where it binds first
     t = run_episode(GuessNumberEnv(max_turns=50), ScriptedPolicy(qwen_tok, ["0"]),
-                    cfg(max_turns=50, max_generated_tokens=1000, max_total_tokens=90), Task(seed=0))
+                    cfg(max_turns=50, max_generated_tokens=1000, max_total_tokens=90), EpisodeSpec(seed=0))
     assert t.finish_reason == "context_limit" and len(t.token_ids) <= 90
     with pytest.raises(ValueError, match="max_generated_tokens"):
         cfg(max_generated_tokens=0)
@@ -262,7 +262,7 @@ def test_tool_counters_and_per_tool_counts_reach_the_trajectory(qwen_tok):
     replies = ['<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><tool_call>{broken</tool_call>',
                '<tool_call>{"name": "add", "arguments": {"a": "1", "b": 2}}</tool_call>'
                '<tool_call>{"name": "mul", "arguments": {}}</tool_call>', "\\boxed{3}"]
-    t = run_episode(env, ScriptedPolicy(qwen_tok, replies), cfg(max_new_tokens=64), Task(seed=0))
+    t = run_episode(env, ScriptedPolicy(qwen_tok, replies), cfg(max_new_tokens=64), EpisodeSpec(seed=0))
     assert t.success and (t.num_tool_calls, t.num_tool_errors, t.num_tool_malformed) == (3, 2, 1)
     assert t.tool_calls_by_name == {"add": 2, "(unknown)": 1}
     assert t.tool_errors_by_name == {"add": 1, "(unknown)": 1}

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from agentenv.core.config import LaunchConfig, LoopConfig
-from agentenv.core.runtime import Batcher, RolloutConfig, Task
+from agentenv.core.runtime import Batcher, EpisodeSpec, RolloutConfig
 
 from .workers import RolloutWorker, drain, publish_to_policy, sampler_kind
 
@@ -36,7 +36,7 @@ log = logging.getLogger("agentenv.trainer.backends")
 
 
 class Backend(Protocol):
-    def submit(self, wid: int, eid: int, task: Task) -> None: ...
+    def submit(self, wid: int, eid: int, task: EpisodeSpec) -> None: ...
     def cancel(self, wid: int, eid: int) -> None: ...
     def poll(self, timeout: float) -> list: ...
     def publish(self, state_dict: dict, version: int) -> None: ...
@@ -92,7 +92,7 @@ class LocalBackend:
     def _new(self, i: int) -> RolloutWorker:
         return RolloutWorker(i, self.make_env, self.policy, self.rollout, self.batcher, self.sink)
 
-    def submit(self, wid: int, eid: int, task: Task) -> None:
+    def submit(self, wid: int, eid: int, task: EpisodeSpec) -> None:
         self.workers[wid].submit(eid, task)
 
     def cancel(self, wid: int, eid: int) -> None:

@@ -384,14 +384,6 @@ class Learner:
         self.average.load(self.model, state)
         ckpt.set_rng_state(state["rng"])
 
-    def save(self, path) -> None:
-        """Atomically write a checkpoint file (temp file + rename)."""
-        ckpt.atomic_save(self.state_dict(), path)
-
-    def load(self, path) -> None:
-        """Restore from :meth:`save`'s file into this learner (built with the same model architecture)."""
-        self.load_state_dict(ckpt.load(path, map_location=self.device))
-
     def close(self) -> None:
         """Nothing to release in-process (the sharded driver's ``close`` stops its ranks)."""
 

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from agentenv.core.config import LaunchConfig, LoopConfig
 from agentenv.core.metrics import MetricsLogger, update_record
-from agentenv.core.runtime import RolloutConfig, Task
+from agentenv.core.runtime import EpisodeSpec, RolloutConfig
 from agentenv.core.trajectory import JsonlWriter, Trajectory
 
 from . import loop_state
@@ -68,7 +68,7 @@ class _Update:
 
 class Trainer:
     def __init__(self, loop: LoopConfig, *, rollout: RolloutConfig, make_env: Callable, make_policy: Callable,
-                 learner, tasks: Sequence[Task], run_dir: str | Path | None = None, resume: bool = False,
+                 learner, tasks: Sequence[EpisodeSpec], run_dir: str | Path | None = None, resume: bool = False,
                  launch: LaunchConfig | None = None, metrics: MetricsLogger | None = None,
                  on_update: Callable[[dict], None] | None = None, save_trajectories: bool = True,
                  sleep_samplers_during_update: bool = False):
@@ -87,7 +87,6 @@ class Trainer:
         self.metrics, self._owns_metrics = metrics, False
         self.step, self.next_eid = 0, 0
         self.history: list[dict] = []
-        self.issued: list[int] = []  # prompt index of every episode this process started, in order
         self.components: dict = {}
         self.interrupted = False  # stopped by SIGINT (Ctrl-C) before total_updates
         self._stop = threading.Event()
@@ -175,9 +174,8 @@ class Trainer:
         self.next_eid += 1
         task = self.tasks[prompt]
         if group_id is not None:
-            task = Task(seed=task.seed, options=task.options, meta={**task.meta, "group_id": group_id})
+            task = EpisodeSpec(seed=task.seed, options=task.options, meta={**task.meta, "group_id": group_id})
         self.ledger.start(eid, wid, prompt, group_id)
-        self.issued.append(prompt)
         try:
             self._backend.submit(wid, eid, task)
         except Exception as e:  # noqa: BLE001 -- the worker died between our check and the submit

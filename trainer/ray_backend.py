@@ -28,7 +28,7 @@ import os
 import time
 from collections.abc import Callable
 
-from agentenv.core.runtime import Batcher, RolloutConfig, Task
+from agentenv.core.runtime import Batcher, EpisodeSpec, RolloutConfig
 
 from agentenv.core.config import LaunchConfig, LoopConfig
 
@@ -63,7 +63,7 @@ class RayRolloutWorker:
     def ready(self) -> int:
         return os.getpid()
 
-    def submit(self, eid: int, task: Task) -> None:
+    def submit(self, eid: int, task: EpisodeSpec) -> None:
         self.worker.submit(eid, task)
 
     def cancel(self, eid: int) -> None:
@@ -133,7 +133,7 @@ class RayBackend:
                 "max_concurrency": self.loop.concurrency + 8, "max_restarts": 0}
         return _Handle(self._cls.options(**opts).remote(i, self.make_env, self.make_policy, self.rollout))
 
-    def submit(self, wid: int, eid: int, task: Task) -> None:
+    def submit(self, wid: int, eid: int, task: EpisodeSpec) -> None:
         w = self.workers[wid]
         if not w.alive:
             raise RuntimeError(f"worker {wid} is dead")

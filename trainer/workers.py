@@ -29,14 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agentenv.core.runtime import EpisodeCancelled, RolloutConfig, Task, run_episode
+from agentenv.core.runtime import EpisodeCancelled, EpisodeSpec, RolloutConfig, run_episode
 from agentenv.core.trajectory import Trajectory
 
 log = logging.getLogger("agentenv.trainer.workers")
-
-
-class WorkerCrash(BaseException):
-    """Not an ``Exception``: run_episode does not catch it, so it takes the worker down (a simulated crash)."""
 
 
 def publish_to_policy(policy, state_dict: dict, version: int) -> None:
@@ -74,7 +70,7 @@ class RolloutWorker:
         self._episodes: dict[int, _Episode] = {}
         self._threads: list[threading.Thread] = []
 
-    def submit(self, eid: int, task: Task) -> None:
+    def submit(self, eid: int, task: EpisodeSpec) -> None:
         with self._lock:
             if not self.alive:
                 raise RuntimeError(f"worker {self.worker_id} is dead")
@@ -85,7 +81,7 @@ class RolloutWorker:
             self._threads = [t for t in self._threads if t.is_alive()] + [ep.thread]
         ep.thread.start()
 
-    def _run(self, ep: _Episode, task: Task) -> None:
+    def _run(self, ep: _Episode, task: EpisodeSpec) -> None:
         def gen(req):
             _stop_if_cancelled(ep.cancel)  # between turns: a cancelled episode stops at its next turn
             out = self.generate_fn(req)

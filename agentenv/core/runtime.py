@@ -65,8 +65,9 @@ class RolloutConfig:
 
 
 @dataclass
-class Task:
-    """What one episode runs: a seed and optional reset options (e.g. a specific game or question).
+class EpisodeSpec:
+    """What one episode runs: a seed and optional reset options (e.g. a specific game or question). Not a task: a
+    tool env's question/answer row is :class:`agentenv.envs.tasks.Task`; an EpisodeSpec is one play of one.
     ``sampling_seed``: seeds the policy's draws too (turn ``t`` asks with seed ``sampling_seed``, ``t`` mixed), so
     two policies playing the same task draw with common random numbers and the same weights replay the same
     episode (evaluation sets it; training does not)."""
@@ -91,7 +92,7 @@ def _env_name(env: gym.Env) -> str:
     return spec.id if spec is not None else type(getattr(env, "unwrapped", env)).__name__
 
 
-def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
+def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: EpisodeSpec = EpisodeSpec(),
                 generate_fn: GenerateFn | None = None) -> Trajectory:
     """Play one episode. Never raises for env/policy failures: they end the episode with a recorded reason."""
     t_start = time.perf_counter()
@@ -326,7 +327,7 @@ class RolloutEngine:
     """Runs episodes concurrently and yields trajectories in completion order.
 
     ``make_env`` builds one env per worker thread (envs are not shared across threads). ``tasks`` is any iterable of
-    :class:`Task`; the engine pulls the next task as soon as a worker is free, so ``concurrency`` episodes stay in
+    :class:`EpisodeSpec`; the engine pulls the next task as soon as a worker is free, so ``concurrency`` episodes stay in
     flight. Every started task yields exactly one trajectory, failures included.
     """
 
@@ -334,7 +335,7 @@ class RolloutEngine:
         self.make_env, self.policy, self.cfg = make_env, policy, cfg
         self.batcher = Batcher(policy) if hasattr(policy, "generate") else None
 
-    def run(self, tasks: Iterable[Task]) -> Iterator[Trajectory]:
+    def run(self, tasks: Iterable[EpisodeSpec]) -> Iterator[Trajectory]:
         task_iter = iter(tasks)
         task_lock = threading.Lock()
         out: queue.Queue = queue.Queue()
@@ -396,10 +397,10 @@ class RolloutEngine:
 
 
 def run_episodes(make_env: Callable[[], gym.Env], policy, n: int, cfg: RolloutConfig, *, seed: int = 0,
-                 tasks: Iterable[Task] | None = None, progress: bool = False,
+                 tasks: Iterable[EpisodeSpec] | None = None, progress: bool = False,
                  on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
     """Run ``n`` episodes (seeds ``seed, seed+1, ...`` unless ``tasks`` is given) and return them in completion order."""
-    tasks = list(tasks) if tasks is not None else [Task(seed=seed + i) for i in range(n)]
+    tasks = list(tasks) if tasks is not None else [EpisodeSpec(seed=seed + i) for i in range(n)]
     engine = RolloutEngine(make_env, policy, cfg)
     bar = None
     if progress:

@@ -57,7 +57,6 @@ FINISH_REASONS = (
     "invalid_action_budget",  # the env's invalid-action budget ran out
     "env_error",  # env.reset/step raised; what was collected is kept
     "policy_error",  # the sampler raised; what was collected is kept
-    "env_truncated",  # the env truncated the episode for its own reason (e.g. its own step limit)
     "template_error",  # the chat template failed or rewrote history (on_rewrite="error"); what was collected is kept
     "generation_budget",  # the sampled tokens summed over turns reached max_generated_tokens
 )

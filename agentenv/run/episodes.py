@@ -5,7 +5,7 @@ One function each, used by training, evaluation and ``agentenv rollout`` alike:
 * :func:`env_factory(cfg, split)` -> a picklable ``make_env`` (gymnasium id + constructor kwargs; the turn limit and
   split come from the config through :func:`agentenv.envs.spec.make_kwargs`; ``env.tasks: demo`` adds the CPU demo's
   task set).
-* :func:`task_list(cfg, split, limit, samples)` -> runtime :class:`~agentenv.core.runtime.Task` objects: one per task the
+* :func:`task_list(cfg, split, limit, samples)` -> runtime :class:`~agentenv.core.runtime.EpisodeSpec` objects: one per task the
   env declares (:func:`agentenv.envs.spec.task_options`), or seeds ``0..env.num_tasks-1`` for an env without a task
   list. For training, an env with more tasks than ``env.num_tasks`` contributes a seeded subset of that size.
 * :func:`rollout_config(cfg, eval=...)` -> the runtime's :class:`~agentenv.core.runtime.RolloutConfig` (the ONE converter
@@ -43,7 +43,7 @@ def env_factory(cfg: RunConfig, split: str | None = None):
 
 
 def task_list(cfg: RunConfig, split: str | None = None, *, limit: int | None = None, samples: int = 1) -> list:
-    from agentenv.core.runtime import Task
+    from agentenv.core.runtime import EpisodeSpec
 
     env = env_factory(cfg, split)()
     try:
@@ -56,7 +56,7 @@ def task_list(cfg: RunConfig, split: str | None = None, *, limit: int | None = N
         index = sorted(np.random.default_rng(cfg.loop.seed).choice(n, cfg.env.num_tasks, replace=False).tolist())
     if limit is not None:
         index = index[:limit]
-    return [Task(seed=i, options=dict(options[i]) if options else None, meta={"task": i, "sample": s})
+    return [EpisodeSpec(seed=i, options=dict(options[i]) if options else None, meta={"task": i, "sample": s})
             for i in index for s in range(samples)]
 
 

@@ -279,7 +279,7 @@ def expert_demos(cfg: RunConfig, path: Path, *, progress: bool = True, echo=prin
 
     from agentenv.envs import EXPERTS, spec
     from agentenv.run.episodes import env_kwargs, rollout_config, task_list
-    from agentenv.core.runtime import RolloutConfig, Task, run_episodes
+    from agentenv.core.runtime import EpisodeSpec, RolloutConfig, run_episodes
     from agentenv.trainer.backends import GymEnvFactory
     from agentenv.core.trajectory import JsonlWriter
 
@@ -292,7 +292,7 @@ def expert_demos(cfg: RunConfig, path: Path, *, progress: bool = True, echo=prin
     make_env = GymEnvFactory(env_id, {**env_kwargs(cfg), **getattr(expert, "env_kwargs", {})})
     tasks = task_list(cfg)
     n = cfg.sft.num_demos
-    plays = [Task(seed=10_000 + i, options=tasks[i % len(tasks)].options, meta={"sample": i // len(tasks)})
+    plays = [EpisodeSpec(seed=10_000 + i, options=tasks[i % len(tasks)].options, meta={"sample": i // len(tasks)})
              for i in range(n)]
     r = rollout_config(cfg)
     rc = RolloutConfig(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, sampling=r.sampling, concurrency=2)

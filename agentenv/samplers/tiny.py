@@ -184,12 +184,22 @@ ALFRED_NAMES = (
 SMALL_ALFWORLD_VOCAB_SIZE = 3072
 
 
+# The ALFWorld env's system prompt as the small-alfworld vocabulary was trained on it. A frozen copy, not an import:
+# the vocabulary (and so every tiny-bpe-alfworld model) must not change when someone rewords the env's prompt.
+# tests/test_miniature.py pins the hash of the corpus and of the cached vocabulary.
+_ALFWORLD_SYSTEM_PROMPT = """\
+You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the list of \
+admissible actions. Reply with exactly one of those actions, copied from the list, inside an action tag, for example:
+<action>go to desk 1</action>
+You may reason before the tag; only the last <action>...</action> in your reply is used. Case and extra spaces do \
+not matter. A reply without the tag, or with an action that is not in the list, is invalid: nothing happens, it \
+costs a turn, and {budget}. You have {max_turns} turns. The episode ends as soon as the task is done."""
+
+
 def _alfworld_corpus(n: int = 4000) -> list[str]:
     """Deterministic ALFWorld-like chats: ALFWorld's own feedback and goal templates (logic/alfred.twl2, the goal
     library) filled with random ALFRED names, in the chat format the runtime renders (system prompt included)."""
     import random
-
-    from agentenv.envs.alfworld import SYSTEM_PROMPT_TEMPLATE
 
     tok = qwen_tokenizer()
     r = random.Random(1)
@@ -217,7 +227,7 @@ def _alfworld_corpus(n: int = 4000) -> list[str]:
              "heat {o} with {r}", "cool {o} with {r}", "clean {o} with {r}", "use {o}", "inventory", "look", "help")
     texts = []
     for i in range(n):
-        system = SYSTEM_PROMPT_TEMPLATE.format(budget=f"after {r.randrange(2, 20)} invalid actions the episode ends",
+        system = _ALFWORLD_SYSTEM_PROMPT.format(budget=f"after {r.randrange(2, 20)} invalid actions the episode ends",
                                                max_turns=r.randrange(5, 60))
         intro = (f"You are in the middle of a room. Looking quickly around you, you see {listing(r.randrange(3, 15))}."
                  f"\n\nYour task is to: " + r.choice(goals).format(o=r.choice(ALFRED_NAMES), r=r.choice(ALFRED_NAMES)))

@@ -1,5 +1,8 @@
 """A searching ALFWorld player that knows only what the agent is told: the imitable expert for SFT demos.
 
+Lives with the scripts that use it (make_alfworld_demo_data.py, alfworld_failure_modes.py), not in the package: no
+run configuration plays it.
+
 Contract: ``ALFWorldSearcher(order=..., seed=s).act(messages, info)`` returns ``"<action>COMMAND</action>"`` with
 COMMAND one of ``info["admissible_commands"]``. It reads the goal from the first observation and everything else from
 the conversation so far (``messages``) and the current admissible list: no PDDL state, no walkthrough, no object
@@ -63,8 +66,6 @@ class ALFWorldSearcher:
         self.order, self.seed = order, seed
 
     def act(self, messages: list[dict], info: dict) -> str:
-        if info.get("numbered_actions"):
-            raise ValueError("ALFWorldSearcher answers with spelled-out commands: build the env without numbered_actions")
         observations = [m["content"] for m in messages if m["role"] == "user"]
         # A turn without a tag (another policy's, in a shared conversation) did nothing: it stays aligned, as "".
         actions = [parse_action(m["content"]) or "" for m in messages if m["role"] == "assistant"]
