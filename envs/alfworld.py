@@ -107,8 +107,8 @@ not matter. A reply without the tag, or with an action that is not in the list, 
 costs a turn, and {budget}. You have {max_turns} turns. The episode ends as soon as the task is done."""
 
 # numbered_actions=True: the list is numbered and the reply names a number. A policy then chooses among the listed
-# commands instead of spelling one out. The CPU demo tried it and kept spelled-out commands: its tiny model copies a
-# command more reliably than the digits in front of it (docs/alfworld_demo.md, "Second pass").
+# commands instead of spelling one out. The CPU demo keeps spelled-out commands: a tiny model copies a command's
+# words from the list more reliably than the digits in front of it.
 NUMBERED_SYSTEM_PROMPT_TEMPLATE = """\
 You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the numbered list \
 of admissible actions. Reply with the number of exactly one of those actions inside an action tag, for example:
@@ -250,9 +250,9 @@ def list_games(split: str, data_dir: str | os.PathLike | None = None, task_types
 # nearest_match=True: a command that is not admissible is read as the admissible command closest to it in spelling
 # (difflib's ratio), as LLM planners map free text onto a game's actions (e.g. Huang et al. 2022), but only among the
 # commands that do the same thing to the same object: read by spelling alone, "take book 1 from drawer 2" at a drawer
-# holding a watch became "take watch 1 from drawer 2", and 61% of the CPU demo's RL episodes were lost that way to an
-# object the agent never named (docs/alfworld_demo.md, "Tenth pass"). The agent is told which command was played. The
-# CPU demo uses it (its tiny model often gets a receptacle's number wrong): "Third pass" and "Fourth pass".
+# holding a watch became "take watch 1 from drawer 2", which plays an object the agent never named and makes the
+# reward depend on the matcher. The agent is told which command was played. The CPU demo uses it because its tiny
+# model often gets a receptacle's number wrong while naming the right object.
 NEAREST_SYSTEM_PROMPT_TEMPLATE = """\
 You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the list of \
 admissible actions. Reply with exactly one of those actions, copied from the list, inside an action tag, for example:
