@@ -285,6 +285,8 @@ def _add_sft(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--context-loss-weight", type=float, default=0.0,
                    help="also predict prompt/observation tokens with this weight (for a model trained from scratch)")
+    p.add_argument("--heldout-demos", type=int, default=64, help="demos kept out of training to report a held-out "
+                   "NLL per demo kind after each epoch (scripted: fresh held-out questions; 0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.set_defaults(func=cmd_sft)
@@ -294,7 +296,7 @@ def cmd_sft(args) -> int:
     from agentenv.run import demo
     from agentenv.samplers.models import ModelNotAvailable
     from agentenv.run.sft import (SFTConfig, demos_path, load_model_and_tokenizer, prepare_demos, save_checkpoint_dir,
-                              train_sft)
+                              split_heldout, train_sft)
     from agentenv.core.trajectory import iter_jsonl
 
     try:
@@ -305,6 +307,8 @@ def cmd_sft(args) -> int:
         return 2
     if args.demos == "scripted":
         demos = demo.demo_trajectories(tok, args.num_demos, args.tool_fraction, seed=args.seed + 1)
+        heldout = demo.demo_trajectories(tok, args.heldout_demos, args.tool_fraction, seed=args.seed + 2,
+                                         split="heldout")
     else:
         raw = []
         for t in iter_jsonl(path):
@@ -312,10 +316,13 @@ def cmd_sft(args) -> int:
             if len(raw) >= args.num_demos:
                 break
         demos = prepare_demos(raw, tok, only_successful=not args.all, max_tokens=args.max_tokens)
+        demos, heldout = split_heldout(demos, args.heldout_demos, seed=args.seed)
     r = train_sft(model, demos, SFTConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-                                          context_loss_weight=args.context_loss_weight, schedule=args.schedule))
+                                          context_loss_weight=args.context_loss_weight, schedule=args.schedule),
+                  heldout=heldout, echo=print)
     out = save_checkpoint_dir(model, tok, args.out)
-    print(f"sft demos={r['demos']} steps={r['steps']} loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} "
+    print(f"sft demos={r['demos']} steps={r['steps']} loss per token {r['loss_first']:.3f} (epoch 1) -> "
+          f"{r['loss_last']:.3f} (last epoch) "
           f"wall={r['wall_s']:.0f}s -> {out}")
     return 0
 

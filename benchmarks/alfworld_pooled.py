@@ -2,7 +2,7 @@
 
 Why: one `agentenv demo --env alfworld` run answers "did this run's RL beat its warm start?" with a paired interval
 about +-0.05 wide on valid_unseen (42 games), and RL's effect in the CPU miniature has been smaller than that
-(docs/alfworld_demo.md). This asks the question about the procedure instead: the same warm start, N RL runs that
+(docs/experiments/alfworld_demo_log.md). This asks the question about the procedure instead: the same warm start, N RL runs that
 differ only in ``loop.seed`` (prompt order and sampling), every evaluation on the same games.
 
 Two modes:

@@ -234,9 +234,9 @@ def list_games(split: str, data_dir: str | os.PathLike | None = None, task_types
 # nearest_match=True: a command that is not admissible is read as the admissible command closest to it in spelling
 # (difflib's ratio), as LLM planners map free text onto a game's actions (e.g. Huang et al. 2022), but only among the
 # commands that do the same thing to the same object: read by spelling alone, "take book 1 from drawer 2" at a drawer
-# holding a watch became "take watch 1 from drawer 2", and 61% of the CPU demo's RL episodes were lost that way to an
-# object the agent never named (docs/alfworld_demo.md, "Tenth pass"). The agent is told which command was played. The
-# CPU demo uses it (its tiny model often gets a receptacle's number wrong): "Third pass" and "Fourth pass".
+# holding a watch became "take watch 1 from drawer 2", which plays an object the agent never named and makes the
+# reward depend on the matcher. The agent is told which command was played. The CPU demo uses it because its tiny
+# model often gets a receptacle's number wrong while naming the right object.
 NEAREST_SYSTEM_PROMPT_TEMPLATE = """\
 You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the list of \
 admissible actions. Reply with exactly one of those actions, copied from the list, inside an action tag, for example:

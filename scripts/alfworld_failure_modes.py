@@ -9,7 +9,7 @@ wrong for the object its task names (read from the opening's "Your task is to: .
 * ``won``;
 * ``took another object first``: the first object picked up was not the goal's -- ``swapped`` counts those where the
   policy's command named yet another object and the env's nearest matching picked this one (possible under the old
-  spelling-only rule; today's rule keeps the named object, docs/alfworld_demo.md "Tenth pass");
+  spelling-only rule; today's rule keeps the named object, docs/experiments/alfworld_demo_log.md "Tenth pass");
 * ``took it, did not finish``: the goal's object in hand, the task not done;
 * ``saw it, never took it``: the goal's object appeared in an observation, never picked up;
 * ``never saw it``.

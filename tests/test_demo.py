@@ -1,9 +1,14 @@
 """Smoke run of the demo pipeline with tiny sizes: SFT warm start -> real Learner + async loop -> metrics and plot."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 from agentenv.core.config import load_config
 from agentenv.run.report import run_demo
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_two_updates(tmp_path):
@@ -24,5 +29,28 @@ def test_demo_two_updates(tmp_path):
     assert (tmp_path / "curves.png").exists() and (tmp_path / "config.yaml").exists()
     assert (tmp_path / "sft_model" / "config.json").exists()
     res = json.loads((tmp_path / "demo_result.json").read_text())
-    assert res["before"]["episodes"] == 2 and res["after"]["episodes"] == 2
-    assert any("warm start (SFT)" in x for x in lines)
+    # evaluated on held-out questions, named as such
+    assert res["before"]["heldout"]["episodes"] == 2 and res["after"]["heldout"]["episodes"] == 2
+    assert any("warm start (SFT)" in x for x in lines) and any(x.startswith("  heldout (2 episodes") for x in lines)
+    assert any(x.startswith("sft epoch 1/1: train loss") and "held-out NLL" in x for x in lines)
+    sft = json.loads((tmp_path / "sft_report.json").read_text())
+    assert set(sft["epochs"][0]["by_kind"]) <= {"tool", "guess"} and sft["heldout"][0]["all"]["demos"] == 64
+    # CI's guard on the main job fails this run: two updates on eight demos learn nothing
+    check = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_demo.py"), str(tmp_path)],
+                           capture_output=True, text=True)
+    assert check.returncode == 1 and check.stdout.startswith("check_demo: FAIL: the main job did not learn: heldout")
+
+
+def test_the_demo_check_passes_a_run_that_learned_and_names_what_failed():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from check_demo import verdict
+    finally:
+        sys.path.pop(0)
+    ev = lambda s, t: {"heldout": {"success_rate": s, "tool_share": t}}  # noqa: E731
+    floors = dict(split="heldout", min_success=0.45, min_tool_rate=0.55, min_gain=0.25)
+    assert verdict({"before": ev(0.1, 0.2), "after": ev(0.8, 0.9)}, **floors) == []
+    regressed = verdict({"before": ev(0.0, 0.05), "after": ev(0.0, 0.05)}, **floors)
+    assert len(regressed) == 3 and "success after RL 0.00 < 0.45" in regressed[0]
+    assert "gained +0.10" in verdict({"before": ev(0.5, 0.6), "after": ev(0.6, 0.9)}, **floors)[0]
+    assert "no 'heldout' evaluation" in verdict({"before": {}, "after": {"train_tasks": {}}}, **floors)[0]

@@ -87,25 +87,93 @@ def test_sft_reduces_loss_on_policy_tokens_only(tok):
     assert r["steps"] == 6 and after < before - 0.5
 
 
-@pytest.mark.parametrize("n,batch_size", [(1, 8), (37, 4), (300, 8)])
-def test_length_grouped_batches_cover_every_demo_once_with_little_padding(n, batch_size):
-    import random
+def _tool_first_prob(model, tok, questions) -> float:
+    """Mean probability that the model's first token answers a demo question with a tool call."""
+    from agentenv.core.chat import ChatSequence
 
-    from agentenv.run.sft import _length_grouped_batches
+    call = tok.convert_tokens_to_ids("<tool_call>")
+    probs = []
+    with torch.no_grad():
+        for q in questions:
+            seq = ChatSequence(tok)
+            seq.start([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}], tool_schemas())
+            logits = model(torch.tensor([seq.token_ids])).logits[0, -1]
+            probs.append(torch.softmax(logits.float(), -1)[call].item())
+    return sum(probs) / len(probs)
 
-    rng = random.Random(n)
-    demos = [Trajectory(token_ids=[1] * rng.randrange(50, 1200)) for _ in range(n)]
-    lengths = [len(d.token_ids) for d in demos]
-    batches = _length_grouped_batches(demos, batch_size, random.Random(0))
-    assert sorted(i for b in batches for i in b) == list(range(n))
-    assert all(1 <= len(b) <= batch_size for b in batches)
-    assert batches != _length_grouped_batches(demos, batch_size, random.Random(1)) or n == 1  # the seed shuffles
-    padded = sum(max(lengths[i] for i in b) * len(b) for b in batches) / sum(lengths)
-    order = list(range(n))
-    random.Random(0).shuffle(order)
-    plain = sum(max(lengths[i] for i in order[s:s + batch_size]) * len(order[s:s + batch_size])
-                for s in range(0, n, batch_size)) / sum(lengths)
-    assert padded <= plain and (n < 100 or padded < 1.1 < plain)
+
+def test_sft_learns_the_mix_of_two_demo_kinds_of_different_length():
+    """The regression behind the CPU demo's collapse: length-sorted batches held one demo kind each (tool demos are
+    longer), so the first-token decision -- call the tool or answer -- swung with every step and ended near 0. Each
+    batch must be an unbiased sample: after SFT on a 30% tool mix the model calls the tool about 30% of the time."""
+    from agentenv.samplers.models import resolve_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model("tiny-bpe").path
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    demos = demo_trajectories(tok, 480, tool_fraction=0.3, seed=3)
+    r = train_sft(model, demos, SFTConfig(epochs=2, lr=2e-3, batch_size=16, seed=0), progress=False)
+    questions = [t.question for t in demo_tasks(24, seed=9, split="heldout")]
+    p = _tool_first_prob(model, tok, questions)
+    assert 0.15 <= p <= 0.5, f"P(tool call first) = {p:.3f} after SFT on a 30% tool mix"
+    assert set(r["epochs"][-1]["by_kind"]) == {"tool", "guess"}
+    assert r["loss_last"] < r["loss_first"]
+
+
+def test_microbatches_within_a_step_give_the_full_batch_gradient():
+    from agentenv.run.sft import backward_batch
+    from agentenv.samplers.tiny import small_tokenizer
+    from agentenv.trainer.batch import collate
+
+    stok = small_tokenizer()
+    batch = collate(demo_trajectories(stok, 8, tool_fraction=0.5, seed=4), pad_token_id=0)
+    grads, stats = [], []
+    for budget in (None, 300):  # 300 tokens: one or two rows per micro-batch
+        model = tiny_model(TinyConfig(vocab="small"))
+        stats.append(backward_batch(model, batch, SFTConfig(max_tokens_per_microbatch=budget, context_loss_weight=0.5)))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        if budget is None:
+            model.zero_grad()
+            (sft_loss(model, batch, 0.5)).backward()
+            assert torch.allclose(grads[0], torch.cat([p.grad.flatten() for p in model.parameters()]), atol=1e-7)
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+    assert stats[0][1] == stats[1][1] and stats[0][0] == pytest.approx(stats[1][0], rel=1e-5)
+
+
+def test_sft_reports_epoch_means_per_kind_and_a_heldout_nll(tok):
+    from agentenv.run.sft import demo_nll
+
+    model = tiny_model(TinyConfig(vocab="small"))
+    from agentenv.samplers.tiny import small_tokenizer
+
+    stok = small_tokenizer()
+    demos = demo_trajectories(stok, 32, tool_fraction=0.5, seed=6)
+    held = demo_trajectories(stok, 8, tool_fraction=0.5, seed=7, split="heldout")
+    lines = []
+    r = train_sft(model, demos, SFTConfig(epochs=2, lr=3e-3, batch_size=8, warmup_steps=1), progress=False,
+                  heldout=held, echo=lines.append)
+    assert [e["epoch"] for e in r["epochs"]] == [1, 2] and len(r["heldout"]) == 2
+    e = r["epochs"][0]
+    n = {k: v["demos"] for k, v in e["by_kind"].items()}
+    assert sum(n.values()) == 32 and set(n) == {"tool", "guess"}
+    assert r["loss_first"] == e["loss"] and r["loss_last"] == r["epochs"][-1]["loss"]
+    again = demo_nll(model, held)
+    assert again["all"]["nll"] == pytest.approx(r["heldout"][-1]["all"]["nll"], rel=1e-5)
+    assert {"tool", "guess", "all"} == set(again) and again["all"]["demos"] == 8
+    assert len(lines) == 2 and lines[1].startswith("sft epoch 2/2: train loss") and "held-out NLL" in lines[1]
+    assert not {d.task for d in held} & {d.task for d in demos}
+
+
+def test_demo_questions_split_into_train_and_heldout_sides():
+    from agentenv.run.demo import is_heldout
+
+    train, held = demo_tasks(400, seed=0), demo_tasks(100, seed=0, split="heldout")
+    assert len({t.question for t in train}) == 400 and len({t.question for t in held}) == 100
+    assert not {t.question for t in train} & {t.question for t in held}
+    assert all(is_heldout(*map(int, t.question[8:-1].split(" * "))) for t in held)
+    assert 0.08 < sum(is_heldout(a, b) for a in range(3000, 3400) for b in range(34, 100)) / (400 * 66) < 0.17
+    with pytest.raises(ValueError, match="splits"):
+        demo_tasks(1, split="valid")
 
 
 def test_sft_cosine_schedule_decays_to_the_floor():

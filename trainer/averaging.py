@@ -14,8 +14,7 @@ Contract of :class:`WeightAverage` (owned by :class:`~agentenv.trainer.learner.L
   the same updates as one that never stopped.
 
 Why: averaging the last iterates cancels part of their noise (Polyak-Ruppert averaging; LAWA for late checkpoints).
-On the CPU ALFWorld demo the unseen success of one update's weights swings run to run by as much as RL's effect;
-the mean of the last checkpoints of two runs moved 40 -> 84 and 115 -> 126 of 672 (docs/alfworld_demo.md).
+On the CPU ALFWorld demo the unseen success of one update's weights swings run to run by as much as RL's effect.
 """
 
 from __future__ import annotations

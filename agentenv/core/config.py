@@ -166,6 +166,9 @@ class SFTSection(_Section):
     # False: imitate every demo, won or lost -- right for a player whose lost plays act as well as its won ones (a
     # blind searcher that ran out of turns); True keeps only won demos (imitating a failure teaches failing)
     only_successful: bool = True
+    # demos kept out of training to measure it: the NLL per action token on them, per demo kind, after each epoch
+    # (scripted demos: fresh questions from the held-out side of the demo's question space; else a random share)
+    heldout_demos: int = Field(64, ge=0)
 
 
 class RunSection(_Section):

@@ -5,6 +5,10 @@ Contract:
 * :func:`demo_tasks` -- ``"What is A * B?"`` with A in [3000, 9999] and B in [34, 99], so the product always has 6
   digits. Guessing it is ~hopeless; ``print(A * B)`` gives it exactly. Fixed widths keep every demo the same
   token layout, which a tiny model can learn to copy from (digit tokens are single tokens in Qwen's vocabulary).
+  The questions are split once and for all by a hash of the question (:func:`is_heldout`, one in eight held out):
+  RL tasks and SFT demos are drawn only from the ``"train"`` side, the demo's evaluation and the SFT report's
+  held-out NLL only from the ``"heldout"`` side, so no evaluated question was ever trained on, whatever the seeds
+  and counts.
 * :func:`scripted_demo` -- the messages of one demonstration: with the tool (call python, then copy its output into
   ``\\boxed{}``) or without (answer at once with a rough but always wrong guess: ``A * 100``). :func:`demo_trajectories` builds ``n`` of them with a given tool share through
   :func:`agentenv.run.sft.trajectory_from_messages`, i.e. through the same ChatSequence the runtime uses.
@@ -16,6 +20,7 @@ The demo's story: SFT on a mix where only ~30% of demos use the tool gives a pol
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 
@@ -31,12 +36,27 @@ Args:
 ENV_ID = "agentenv/PythonTool-v0"
 
 
-def demo_tasks(n: int, seed: int = 0) -> list[Task]:
+SPLITS = ("train", "heldout")
+HELDOUT_SEED = 0  # the evaluation set is the same for every run seed, so runs compare on the same questions
+
+
+def is_heldout(a: int, b: int) -> bool:
+    """The fixed partition of the question space: a stable hash, so it needs no list of what was trained on."""
+    return hashlib.sha256(f"{a}*{b}".encode()).digest()[0] < 32  # 1 in 8
+
+
+def demo_tasks(n: int, seed: int = 0, split: str = "train") -> list[Task]:
+    """``n`` distinct questions of ``split`` ("train": RL tasks and SFT demos; "heldout": evaluation only)."""
+    if split not in SPLITS:
+        raise ValueError(f"the demo's tasks have splits {SPLITS}, not {split!r}")
     r = random.Random(seed)
-    out = []
-    for i in range(n):
+    out, seen = [], set()
+    while len(out) < n:
         a, b = r.randrange(3000, 10000), r.randrange(34, 100)
-        out.append(Task(f"What is {a} * {b}?", str(a * b), id=f"mul-{seed}-{i}", type="multiply"))
+        if is_heldout(a, b) != (split == "heldout") or (a, b) in seen:
+            continue
+        seen.add((a, b))
+        out.append(Task(f"What is {a} * {b}?", str(a * b), id=f"mul-{split}-{seed}-{len(out)}", type="multiply"))
     return out
 
 
@@ -72,18 +92,21 @@ def tool_schemas() -> list[dict]:
     return [Tool.from_function(python).schema()]
 
 
-def demo_trajectories(tokenizer, n: int, tool_fraction: float = 0.25, seed: int = 1, tools: list[dict] | None = None):
-    """``n`` token-level demos (success marked True so SFT keeps them all: they are what we want imitated)."""
+def demo_trajectories(tokenizer, n: int, tool_fraction: float = 0.25, seed: int = 1, tools: list[dict] | None = None,
+                      split: str = "train"):
+    """``n`` token-level demos (success marked True so SFT keeps them all: they are what we want imitated), each
+    with ``meta["demo_kind"]`` "tool" or "guess". ``split="heldout"`` draws fresh ones for measuring, never training."""
     from agentenv.run.sft import trajectory_from_messages
 
     rng = random.Random(seed)
     tools = tools if tools is not None else tool_schemas()
     out = []
-    for task in demo_tasks(n, seed=seed + 10_000):  # never the RL/eval tasks' seed
+    for task in demo_tasks(n, seed=seed + 10_000, split=split):  # never the RL tasks' seed
         prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.question}]
         use = rng.random() < tool_fraction
         t = trajectory_from_messages(tokenizer, prompt + scripted_demo(task, use, rng), tools,
-                                     env=ENV_ID, task=task.id, task_type=task.type, success=True, reward=1.0)
+                                     env=ENV_ID, task=task.id, task_type=task.type, success=True, reward=1.0,
+                                     meta={"demo_kind": "tool" if use else "guess"})
         t.num_tool_calls = int(use)
         out.append(t)
     return out

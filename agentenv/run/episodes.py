@@ -23,12 +23,15 @@ from agentenv.envs import spec
 def env_kwargs(cfg: RunConfig, split: str | None = None) -> dict:
     env_id = spec.resolve(cfg.env.id)
     kw = dict(cfg.env.kwargs)
-    if cfg.env.tasks == "demo":
+    if cfg.env.tasks == "demo":  # the demo's split picks its task set (demo.is_heldout); the env itself has none
         from agentenv.run import demo
 
-        kw.setdefault("tasks", [t.__dict__ for t in demo.demo_tasks(cfg.env.num_tasks, seed=cfg.loop.seed)])
+        tasks = (demo.demo_tasks(cfg.env.num_tasks, seed=cfg.loop.seed) if split in (None, "train") else
+                 demo.demo_tasks(cfg.eval.episodes or cfg.env.num_tasks, seed=demo.HELDOUT_SEED, split=split))
+        kw.setdefault("tasks", [t.__dict__ for t in tasks])
         kw.setdefault("system_prompt", demo.SYSTEM_PROMPT)
         kw.setdefault("tool_doc", demo.TOOL_DOC)
+        split = None
     split = split if split is not None else (cfg.env.train_split if spec.takes(env_id, "split") else None)
     return spec.make_kwargs(env_id, kw, max_turns=cfg.rollout.max_turns, split=split)
 

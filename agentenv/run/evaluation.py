@@ -9,8 +9,8 @@ confidence intervals of ``success_<type>``), ``task_successes`` (``{task index: 
 keys so it survives JSON: what lets a before/after comparison pair each task with itself) and ``wall_s``.
 ``split=None`` evaluates on the training tasks. With ``eval.seed`` set (the default, 0) every play draws from its own
 seeded stream (:attr:`agentenv.core.runtime.EpisodeSpec.sampling_seed`): the same weights give the same episodes whatever the
-batching (to float rounding), and two weights meet the same random numbers (on the ALFWorld demo that did not
-narrow the paired interval: docs/alfworld_demo.md, twelfth pass).
+batching (to float rounding), and two weights meet the same random numbers (a repeatable comparison; it does not
+promise a narrower paired interval).
 With ``eval.samplers`` = k > 1 the plays are dealt round-robin to the policy and k-1 copies of it
 (:meth:`agentenv.samplers.hf_policy.HFPolicy.replica`), each sampling on its own thread with 1/k of the torch threads (restored
 afterwards); seeded plays score the same whichever copy plays them.

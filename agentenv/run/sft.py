@@ -7,6 +7,11 @@ Contract:
   ALFWorld walkthrough) are tokenized from their ``messages`` through :class:`agentenv.core.chat.ChatSequence` -- the
   same machinery the runtime uses -- so the tokens, the template glue and the ``action_mask`` are exactly what RL
   will see later.
+* Batches: a plain shuffle per epoch, so every optimizer step sees an unbiased sample of the demos (length-sorted
+  batches hold one kind of demo each when kinds differ in length, and the decision the kinds disagree on then swings
+  step to step); each batch runs as length-bucketed micro-batches whose gradients sum to the batch's.
+* Report: the mean loss of each epoch over all its action tokens, per demo kind (:func:`demo_kind`), and the NLL of
+  held-out demos (never trained on) after each epoch, one greppable ``sft epoch`` line each.
 * Loss: mean negative log-likelihood over ``action_mask`` tokens (the assistant's own tokens incl. its end-of-turn
   token). By default prompt, observation and tool-output tokens are context, never targets; ``context_loss_weight``
   > 0 adds that weight times the mean NLL of those tokens too (language-model pretraining on the env's text: for a
@@ -50,6 +55,7 @@ class SFTConfig:
     only_successful: bool = True
     max_tokens: int = 4096  # demos longer than this are skipped (their tokens would not fit a rollout either)
     context_loss_weight: float = 0.0  # > 0: also predict prompt/observation tokens, with this weight (see module doc)
+    max_tokens_per_microbatch: int | None = 4096  # padded tokens per forward/backward within one step (None: one)
 
 
 def demos_path(demos: str) -> Path:
@@ -114,7 +120,8 @@ def prepare_demos(trajs: Sequence[Trajectory], tokenizer, *, only_successful: bo
                 skipped["no_assistant"] += 1
                 continue
             t = trajectory_from_messages(tokenizer, msgs, t.tools, env=t.env, task=t.task, task_type=t.task_type,
-                                         reward=t.reward, success=t.success, id=t.id)
+                                         reward=t.reward, success=t.success, id=t.id, meta=dict(t.meta),
+                                         num_tool_calls=t.num_tool_calls)
         if len(t.token_ids) > max_tokens:
             skipped["too_long"] += 1
             continue
@@ -124,28 +131,97 @@ def prepare_demos(trajs: Sequence[Trajectory], tokenizer, *, only_successful: bo
     return out
 
 
-def sft_loss(model, batch, context_loss_weight: float = 0.0) -> torch.Tensor:
-    """Mean NLL over the batch's action tokens (token mean: every demonstrated token counts once), plus
-    ``context_loss_weight`` x the mean NLL over its other real tokens (all but each sequence's first)."""
+def demo_kind(t: Trajectory) -> str:
+    """What sort of demonstration ``t`` is, for per-kind losses: ``meta["demo_kind"]`` (scripted demos), else the
+    player that made it (``meta["player"]``: the ALFWorld walkthrough or searcher), else whether it calls a tool."""
+    return str(t.meta.get("demo_kind") or t.meta.get("player") or ("tool" if t.num_tool_calls else "no tool"))
+
+
+def _row_nll(model, batch, context_loss_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: summed NLL of its action tokens, their count, and the summed NLL of its other real tokens (all but
+    the first; zeros when ``context_loss_weight`` is 0, which skips computing them)."""
     from agentenv.trainer.logprobs import token_log_probs
 
     if not context_loss_weight:
         logp, _ = token_log_probs(model, batch.input_ids, batch.attention_mask, batch.action_mask)
-        return -(logp[batch.action_mask]).mean()
+        return -(logp * batch.action_mask).sum(1), batch.action_mask.sum(1), torch.zeros(len(batch))
     predicted = batch.attention_mask.clone()
     predicted[:, 0] = False
     logp, _ = token_log_probs(model, batch.input_ids, batch.attention_mask, predicted)
     context = predicted & ~batch.action_mask
-    return -(logp[batch.action_mask]).mean() - context_loss_weight * logp[context].mean()
+    return -(logp * batch.action_mask).sum(1), batch.action_mask.sum(1), -(logp * context).sum(1)
+
+
+def split_heldout(demos: Sequence[Trajectory], n: int, seed: int = 0) -> tuple[list, list]:
+    """``(train, heldout)``: ``n`` demos drawn at random (seeded) to measure SFT on, never to train on; none when
+    that would leave fewer than ``n`` to train on (a handful of demos is better spent on training)."""
+    if n <= 0 or len(demos) < 2 * n:
+        return list(demos), []
+    idx = set(random.Random(seed).sample(range(len(demos)), n))
+    return [d for i, d in enumerate(demos) if i not in idx], [d for i, d in enumerate(demos) if i in idx]
+
+
+def sft_loss(model, batch, context_loss_weight: float = 0.0) -> torch.Tensor:
+    """Mean NLL over the batch's action tokens (token mean: every demonstrated token counts once), plus
+    ``context_loss_weight`` x the mean NLL over its other real tokens (all but each sequence's first)."""
+    nll, n, ctx = _row_nll(model, batch, context_loss_weight)
+    loss = nll.sum() / n.sum()
+    if context_loss_weight:
+        predicted = batch.attention_mask.sum() - len(batch)
+        loss = loss + context_loss_weight * ctx.sum() / (predicted - n.sum())
+    return loss
+
+
+@torch.no_grad()
+def demo_nll(model, demos: Sequence[Trajectory], *, max_tokens: int = 8192) -> dict[str, dict]:
+    """Mean NLL per action token of ``demos`` under ``model``, per :func:`demo_kind` and over all (``"all"``):
+    ``{kind: {"nll": nats per token, "worst": the largest single-token NLL, "demos": n}}``."""
+    from agentenv.trainer.batch import collate, microbatches
+
+    was_training = model.training
+    model.eval()
+    sums: dict[str, list[float]] = {}
+    try:
+        pad = getattr(model.config, "pad_token_id", None) or 0
+        for rows, mb in microbatches(collate(list(demos), pad_token_id=pad), max_tokens):
+            from agentenv.trainer.logprobs import token_log_probs
+
+            logp, _ = token_log_probs(model, mb.input_ids, mb.attention_mask, mb.action_mask)
+            for r, i in enumerate(rows):
+                mask = mb.action_mask[r]
+                nll = -logp[r][mask]
+                for kind in (demo_kind(demos[i]), "all"):
+                    acc = sums.setdefault(kind, [0.0, 0, 0.0, 0])
+                    acc[0] += nll.sum().item()
+                    acc[1] += int(mask.sum())
+                    acc[2] = max(acc[2], nll.max().item())
+                    acc[3] += 1
+    finally:
+        model.train(was_training)
+    return {k: {"nll": s / max(1, n), "worst": w, "demos": d} for k, (s, n, w, d) in sums.items()}
 
 
 def train_sft(model, demos: Sequence[Trajectory], cfg: SFTConfig = SFTConfig(), *, progress: bool = True,
-              on_step: Callable[[int, float], None] | None = None, should_stop: Callable[[], bool] | None = None) -> dict:
-    """Fine-tune ``model`` in place on token-level ``demos``; returns ``{"steps", "loss_first", "loss_last", ...}``."""
+              heldout: Sequence[Trajectory] = (), on_step: Callable[[int, float], None] | None = None,
+              should_stop: Callable[[], bool] | None = None, echo: Callable[[str], None] | None = None) -> dict:
+    """Fine-tune ``model`` in place on token-level ``demos``.
+
+    Every optimizer step is one batch drawn by a plain shuffle, so each batch is an unbiased sample of the demos:
+    batches sorted by length hold one kind of demo each when kinds differ in length (the CPU demo's tool and
+    no-tool demos), and a decision the kinds disagree on -- the first token: call the tool or answer -- then swings
+    with every step and ends wherever the last batches leave it. Padding is saved inside the step instead: the batch
+    runs as length-bucketed micro-batches (``cfg.max_tokens_per_microbatch``) whose gradients add up to the batch's
+    token mean exactly.
+
+    Returns ``{"steps", "demos", "loss_first", "loss_last", "epochs", "heldout", "wall_s"}``: ``loss_first`` /
+    ``loss_last`` are the means over the first / last epoch's action tokens (not one step's value), ``epochs`` has
+    each epoch's mean per demo kind, and ``heldout`` the NLL per kind of ``heldout`` demos (never trained on) after
+    each epoch, as :func:`demo_nll` returns it."""
     from agentenv.trainer.batch import collate
 
     if not demos:
         raise ValueError("no demonstrations to train on (all were filtered out, or the file was empty)")
+    echo = echo or log.info
     pad = getattr(model.config, "pad_token_id", None) or 0
     rng = random.Random(cfg.seed)
     steps_per_epoch = math.ceil(len(demos) / cfg.batch_size)
@@ -159,52 +235,87 @@ def train_sft(model, demos: Sequence[Trajectory], cfg: SFTConfig = SFTConfig(), 
 
         bar = tqdm(total=total, desc="sft", unit="step", dynamic_ncols=True)
     model.train()
-    losses, step, t0 = [], 0, time.perf_counter()
+    epochs: list[dict] = []
+    held: list[dict] = []
+    step, t0 = 0, time.perf_counter()
     try:
-        for _ in range(cfg.epochs):
-            for rows in _length_grouped_batches(demos, cfg.batch_size, rng):
-                batch = collate([demos[i] for i in rows], pad_token_id=pad)
-                loss = sft_loss(model, batch, cfg.context_loss_weight)
+        for epoch in range(cfg.epochs):
+            sums: dict[str, list[float]] = {}  # kind -> [summed NLL, action tokens, demos]
+            order = list(range(len(demos)))
+            rng.shuffle(order)
+            for start in range(0, len(order), cfg.batch_size):
+                rows = order[start:start + cfg.batch_size]
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                nll, n = backward_batch(model, collate([demos[i] for i in rows], pad_token_id=pad), cfg)
+                for i, row_nll, row_n in zip(rows, nll, n):
+                    acc = sums.setdefault(demo_kind(demos[i]), [0.0, 0, 0])
+                    acc[0] += row_nll
+                    acc[1] += row_n
+                    acc[2] += 1
+                step_nll, tokens = sum(nll), sum(n)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 opt.step()
                 sched.step()
                 step += 1
-                losses.append(loss.item())
+                step_loss = step_nll / tokens
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{losses[-1]:.3f}")
+                    bar.set_postfix(loss=f"{step_loss:.3f}")
                 elif step % max(1, total // 20) == 0 or step == total:  # greppable progress without a bar
-                    log.info("sft step %d/%d loss %.3f (%.0fs)", step, total, losses[-1], time.perf_counter() - t0)
+                    log.info("sft step %d/%d loss %.3f (%.0fs)", step, total, step_loss, time.perf_counter() - t0)
                 if on_step is not None:
-                    on_step(step, losses[-1])
+                    on_step(step, step_loss)
                 if should_stop is not None and should_stop():
                     raise StopIteration
+            epochs.append(_epoch_summary(epoch + 1, sums))
+            if heldout:
+                held.append(demo_nll(model, heldout))
+            echo(_epoch_line(epochs[-1], held[-1] if heldout else None, cfg.epochs))
     except StopIteration:
         pass
     finally:
         if bar is not None:
             bar.close()
         model.eval()
-    k = max(1, min(10, len(losses) // 5))
-    return {"steps": step, "demos": len(demos), "loss_first": sum(losses[:k]) / k if losses else math.nan,
-            "loss_last": sum(losses[-k:]) / k if losses else math.nan, "wall_s": time.perf_counter() - t0}
+    return {"steps": step, "demos": len(demos), "epochs": epochs, "heldout": held,
+            "loss_first": epochs[0]["loss"] if epochs else math.nan,
+            "loss_last": epochs[-1]["loss"] if epochs else math.nan, "wall_s": time.perf_counter() - t0}
 
 
-def _length_grouped_batches(demos: Sequence[Trajectory], batch_size: int, rng: random.Random,
-                            group: int = 16) -> list[list[int]]:
-    """One epoch's batches: a shuffled order cut into groups of ``group`` batches, each group sorted by length before
-    it is cut into batches, then the batches shuffled. Every demo once per epoch, as with a plain shuffle, but a batch
-    holds demos of similar length (mixed-length demos waste ~30% of a plain batch on padding, ~5% this way)."""
-    order = list(range(len(demos)))
-    rng.shuffle(order)
-    batches = []
-    for g in range(0, len(order), group * batch_size):
-        chunk = sorted(order[g:g + group * batch_size], key=lambda i: len(demos[i].token_ids))
-        batches += [chunk[b:b + batch_size] for b in range(0, len(chunk), batch_size)]
-    rng.shuffle(batches)
-    return batches
+def backward_batch(model, batch, cfg: SFTConfig) -> tuple[list[float], list[int]]:
+    """Accumulate the gradient of :func:`sft_loss` over ``batch`` into ``model`` by length-bucketed micro-batches of
+    at most ``cfg.max_tokens_per_microbatch`` padded tokens (each normalised by the whole batch's token counts, so the
+    sum is the batch's gradient). Returns each row's summed action-token NLL and action-token count, in row order."""
+    from agentenv.trainer.batch import microbatches
+
+    tokens = int(batch.action_mask.sum())
+    context = int(batch.attention_mask.sum()) - len(batch) - tokens
+    nll_rows, n_rows = [0.0] * len(batch), [0] * len(batch)
+    for sub, mb in microbatches(batch, cfg.max_tokens_per_microbatch):
+        nll, n, ctx = _row_nll(model, mb, cfg.context_loss_weight)
+        loss = nll.sum() / tokens
+        if cfg.context_loss_weight:
+            loss = loss + cfg.context_loss_weight * ctx.sum() / max(1, context)
+        loss.backward()
+        for r, i in enumerate(sub):
+            nll_rows[i], n_rows[i] = nll[r].item(), int(n[r])
+    return nll_rows, n_rows
+
+
+def _epoch_summary(epoch: int, sums: dict[str, list[float]]) -> dict:
+    total = sum(s for s, _, _ in sums.values()), sum(n for _, n, _ in sums.values())
+    return {"epoch": epoch, "loss": total[0] / max(1, total[1]),
+            "by_kind": {k: {"loss": s / max(1, n), "demos": d} for k, (s, n, d) in sorted(sums.items())}}
+
+
+def _epoch_line(e: dict, held: dict | None, epochs: int) -> str:
+    """One greppable line: the epoch's mean loss per action token, per kind, and the held-out NLL per kind."""
+    kinds = ", ".join(f"{k} {v['loss']:.3f}" for k, v in e["by_kind"].items())
+    line = f"sft epoch {e['epoch']}/{epochs}: train loss {e['loss']:.3f} per token ({kinds})"
+    if held:
+        parts = ", ".join(f"{k} {v['nll']:.3f} (worst token {v['worst']:.1f})" for k, v in held.items() if k != "all")
+        line += f"; held-out NLL {held['all']['nll']:.3f} ({parts}) on {held['all']['demos']} fresh demos"
+    return line
 
 
 def _lr_factor(cfg: SFTConfig, step: int, total: int) -> float:

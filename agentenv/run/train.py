@@ -250,7 +250,7 @@ def warm_start(cfg: RunConfig, model_path: str, out: Path, *, progress: bool = T
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentenv.run import demo
-    from agentenv.run.sft import SFTConfig, demos_path, prepare_demos, save_checkpoint_dir, train_sft
+    from agentenv.run.sft import SFTConfig, demos_path, prepare_demos, save_checkpoint_dir, split_heldout, train_sft
     from agentenv.core.trajectory import iter_jsonl
 
     tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
@@ -258,16 +258,24 @@ def warm_start(cfg: RunConfig, model_path: str, out: Path, *, progress: bool = T
     s = cfg.sft
     if s.demos == "scripted":
         demos = demo.demo_trajectories(tok, s.num_demos, s.tool_fraction, seed=cfg.loop.seed + 1)
+        # fresh questions from the held-out side of the demo's question space: never trained on
+        heldout = demo.demo_trajectories(tok, s.heldout_demos, s.tool_fraction, seed=cfg.loop.seed + 2,
+                                         split="heldout") if s.heldout_demos else []
     else:
         raw = (expert_demos(cfg, out.parent / "sft_demos.jsonl", progress=progress, echo=echo) if s.demos == "expert"
                else list(iter_jsonl(demos_path(s.demos)))[: s.num_demos])
         demos = prepare_demos(raw, tok, only_successful=s.only_successful, max_tokens=cfg.rollout.max_total_tokens)
-    echo(f"sft warm start: {len(demos)} demos ({s.demos}), {s.epochs} epochs, lr {s.lr}")
+        demos, heldout = split_heldout(demos, s.heldout_demos, seed=cfg.loop.seed)
+    echo(f"sft warm start: {len(demos)} demos ({s.demos}), {s.epochs} epochs, lr {s.lr}"
+         + (f"; {len(heldout)} held-out demos measure it" if heldout else ""))
     r = train_sft(model, demos, SFTConfig(epochs=s.epochs, lr=s.lr, batch_size=s.batch_size, seed=cfg.loop.seed,
                                           context_loss_weight=s.context_loss_weight, schedule=s.schedule),
-                  progress=progress)
-    echo(f"sft done: loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} in {r['steps']} steps, {r['wall_s']:.0f}s")
-    return save_checkpoint_dir(model, tok, out)
+                  progress=progress, heldout=heldout, echo=echo)
+    echo(f"sft done: loss per token {r['loss_first']:.3f} (epoch 1) -> {r['loss_last']:.3f} (epoch {len(r['epochs'])})"
+         f" in {r['steps']} steps, {r['wall_s']:.0f}s")
+    path = save_checkpoint_dir(model, tok, out)
+    (out.parent / "sft_report.json").write_text(json.dumps(r, indent=2))
+    return path
 
 
 def expert_demos(cfg: RunConfig, path: Path, *, progress: bool = True, echo=print) -> list:

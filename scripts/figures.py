@@ -1,0 +1,149 @@
+"""Regenerate the figures the README and docs/ state, from runs of the current code, stamped with commit, date, machine.
+
+    python scripts/figures.py demo --seeds 0 1 2 3 4             # run what is missing, then write docs/demo.md
+    python scripts/figures.py demo --seeds 0 1 2 3 4 --no-run    # only read the saved runs
+
+Each figure has a run root (``runs/figures/<figure>/``) holding one run directory per seed; a seed whose run finished
+(its ``demo_result.json`` exists) is read, not rerun, so a long study runs in parts and resumes where it stopped. A run
+that did not finish is moved aside (``seedN.failed-<time>``) and started again. The tables are written whole by this
+script: nothing in them is edited by hand.
+
+Figures:
+
+* ``demo`` -- ``agentenv demo`` (the README's first command) on seeds: held-out success and tool-call rate before and
+  after RL with Wilson intervals, SFT's held-out NLL per demo kind, wall time per run. Writes ``docs/demo.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def stamp() -> str:
+    """Commit (with ``+dirty`` when the tree has uncommitted changes to tracked files), UTC date, machine."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"commit {commit}, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu}, "
+            f"{os.cpu_count()} cores, Python {platform.python_version()}")
+
+
+def run_demo_seed(run_dir: Path, seed: int, extra: list[str]) -> None:
+    if run_dir.exists():  # an unfinished run: keep it for reading, start again
+        run_dir.rename(run_dir.with_name(f"{run_dir.name}.failed-{int(time.time())}"))
+    cmd = [sys.executable, "-m", "agentenv.cli", "demo", "--no-progress", "--run-dir", str(run_dir),
+           "--set", f"loop.seed={seed}", *extra]
+    print(f"figures: {' '.join(cmd[2:])}", flush=True)
+    with open(run_dir.parent / f"seed{seed}.log", "w") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
+
+
+def demo_rows(root: Path, seeds: list[int]) -> list[dict]:
+    from agentenv.run.report import wilson_interval
+
+    rows = []
+    for seed in seeds:
+        d = root / f"seed{seed}"
+        res = json.loads((d / "demo_result.json").read_text())
+        sft = json.loads((d / "sft_report.json").read_text()) if (d / "sft_report.json").exists() else {}
+        split = next(iter(res["after"]))
+        b, a = res["before"][split], res["after"][split]
+        row = {"seed": seed, "split": split, "wall_min": res["wall_s"] / 60, "updates": res["updates"]}
+        for when, ev in (("before", b), ("after", a)):
+            k = int(ev.get("successes", round(ev["success_rate"] * ev["episodes"])))
+            row[when] = {"success": ev["success_rate"], "ci": wilson_interval(k, ev["episodes"]),
+                         "tool": ev.get("tool_call_rate", ev.get("tool_share", 0.0)), "n": ev["episodes"]}
+        held = (sft.get("heldout") or [{}])[-1]
+        row["sft_nll"] = {k: v["nll"] for k, v in held.items()}
+        rows.append(row)
+    return rows
+
+
+def demo_table(rows: list[dict]) -> list[str]:
+    def cell(x: dict) -> str:
+        return f"{x['success']:.2f} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}] / {x['tool']:.2f}"
+
+    n = rows[0]["before"]["n"]
+    lines = [f"| seed | warm start (SFT): success [95% CI] / tool-call rate | after {rows[0]['updates']} RL updates "
+             "| SFT held-out NLL per token (tool / guess) | wall (min) |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        nll = r["sft_nll"]
+        lines.append(f"| {r['seed']} | {cell(r['before'])} | {cell(r['after'])} | "
+                     f"{nll.get('tool', float('nan')):.3f} / {nll.get('guess', float('nan')):.3f} | {r['wall_min']:.1f} |")
+    after = [r["after"]["success"] for r in rows]
+    tool = [r["after"]["tool"] for r in rows]
+    if len(rows) > 1:
+        lines.append(f"| mean ± sd | {statistics.mean(r['before']['success'] for r in rows):.2f} | "
+                     f"{statistics.mean(after):.2f} ± {statistics.stdev(after):.2f} / "
+                     f"{statistics.mean(tool):.2f} ± {statistics.stdev(tool):.2f} | | "
+                     f"{statistics.mean(r['wall_min'] for r in rows):.1f} |")
+    lines.append("")
+    lines.append(f"Evaluated on the `{rows[0]['split']}` split: {n} questions from the held-out side of the demo's "
+                 "question space (`agentenv.run.demo.is_heldout`), which no SFT demo or RL task is drawn from. Intervals: "
+                 "Wilson, over the evaluation's episodes.")
+    return lines
+
+
+def figure_demo(args) -> int:
+    root = Path(args.runs) / "demo"
+    root.mkdir(parents=True, exist_ok=True)
+    for seed in args.seeds:
+        if not (root / f"seed{seed}" / "demo_result.json").exists():
+            if args.no_run:
+                print(f"figures: seed {seed} has no finished run in {root}; run without --no-run", file=sys.stderr)
+                return 2
+            run_demo_seed(root / f"seed{seed}", seed, args.extra)
+            if not (root / f"seed{seed}" / "demo_result.json").exists():
+                print(f"figures: the demo on seed {seed} did not finish; see {root}/seed{seed}.log", file=sys.stderr)
+                return 1
+    rows = demo_rows(root, args.seeds)
+    text = [f"# `agentenv demo` on seeds {', '.join(map(str, args.seeds))}", "",
+            f"Generated by `python scripts/figures.py demo --seeds {' '.join(map(str, args.seeds))}` "
+            f"({stamp()}). Each row is a fresh `agentenv demo --set loop.seed=S`: its own SFT warm start, RL run and "
+            "evaluations.", "", *demo_table(rows), ""]
+    if args.note:
+        text += [args.note, ""]
+    out = Path(args.out or ROOT / "docs" / "demo.md")
+    out.write_text("\n".join(text))
+    print("\n".join(text))
+    print(f"figures: wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="figure", required=True)
+    d = sub.add_parser("demo", help="agentenv demo on several seeds -> docs/demo.md")
+    d.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    d.add_argument("--runs", default=str(ROOT / "runs" / "figures"), help="run root (resumable)")
+    d.add_argument("--no-run", action="store_true", help="only read finished runs")
+    d.add_argument("--out", default=None, help="where to write the table (default docs/demo.md)")
+    d.add_argument("--note", default="", help="a line to print under the table (e.g. how loaded the machine was)")
+    d.add_argument("--set", dest="extra", action="append", default=[], type=lambda kv: f"--set={kv}",
+                   help="an extra --set for every run")
+    args = p.parse_args(argv)
+    return {"demo": figure_demo}[args.figure](args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
