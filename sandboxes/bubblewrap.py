@@ -26,8 +26,8 @@ What each sandboxed process gets (and how):
 * A cgroup per sandboxed process tree (:mod:`.cgroups`): ``Limits.memory_mb`` also caps the tree's *total*
   memory, counting shared memory (memfd), tmpfs files and page cache, with no swap; ``pids.max`` caps its tasks
   (``max_processes`` plus bwrap's own); its CPU rate is capped at ``cpus`` cores; ``memory_exceeded`` comes from
-  the group's OOM counter. A session is frozen between cells, so a thread that ignores SIGXCPU burns no CPU
-  while no cell runs. Where cgroups or the seccomp filter are unavailable the sandbox still runs, after a loud
+  the group's OOM counter. A session call ends only once the interpreter is provably idle at the runner's read,
+  and whatever a cell left able to run is frozen until the next cell (:mod:`.boundary`). Where cgroups or the seccomp filter are unavailable the sandbox still runs, after a loud
   warning (``cgroups=False`` / ``seccomp=False`` turn them off; ``True`` makes their absence an error).
 * The interpreter is the system ``/usr/bin/python3`` run as ``-S -I`` (no site, no user paths, no PYTHON* env),
   because ``/root/.pyenv`` is not reachable by an unprivileged uid. Any other interpreter must be readable and

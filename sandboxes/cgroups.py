@@ -109,6 +109,7 @@ class Cgroup:
         self._tasks_fd = os.open(dirs["memory" if self.v2 else "pids"] / "pids.current", os.O_RDONLY | os.O_CLOEXEC)
         self._oom_seen = self.oom_kills()
         self.frozen = False
+        self._state_fd: int | None = None  # freezer.state / cgroup.events, opened at the first freeze
         self.destroyed = False
 
     def join_argv(self, argv: list[str]) -> list[str]:
@@ -138,15 +139,29 @@ class Cgroup:
         seen, self._oom_seen = self._oom_seen, n
         return n > seen
 
-    def freeze(self) -> None:
-        """Stop every task in the group (no CPU at all) until :meth:`thaw`; used between session cells."""
+    def freeze(self, wait_s: float = 1.0) -> bool:
+        """Stop every task in the group (no CPU at all) until :meth:`thaw`, and wait up to ``wait_s`` until the
+        kernel reports every task frozen (v1 answers FREEZING first). Returns whether they all are."""
         if self.v2:
             _write(self.dirs["memory"] / "cgroup.freeze", "1")
+            path, done = self.dirs["memory"] / "cgroup.events", b"frozen 1"
         elif "freezer" in self.dirs:
             _write(self.dirs["freezer"] / "freezer.state", "FROZEN")
+            path, done = self.dirs["freezer"] / "freezer.state", b"FROZEN"
         else:
-            return
+            return False
         self.frozen = True
+        if self._state_fd is None:
+            self._state_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        deadline = time.monotonic() + wait_s
+        spins = 0
+        while done not in os.pread(self._state_fd, 256, 0):
+            if time.monotonic() > deadline:
+                return False
+            spins += 1
+            if spins > 200:  # usually frozen within ~0.2 ms of spinning; a task in D state can take longer
+                time.sleep(0.0005)
+        return True
 
     def thaw(self) -> None:
         if not self.frozen:
@@ -186,8 +201,9 @@ class Cgroup:
         self.kill()
         oom = self.new_oom_kill()
         self.destroyed = True
-        os.close(self._oom_fd)
-        os.close(self._tasks_fd)
+        for fd in (self._oom_fd, self._tasks_fd, self._state_fd):
+            if fd is not None:
+                os.close(fd)
         self.manager.remove(list(dict.fromkeys(self.dirs.values())))
         return oom
 
