@@ -7,7 +7,9 @@ Contract with the host (:mod:`agentenv.sandboxes.channel`):
   above the hard limit it inherited (a container's may be lower than the one requested). In a session the CPU soft
   limit is re-armed per cell (``used + cpu_s``) and the hard limit stays open, so CPU is bounded per cell only
   while the cell leaves the soft limit alone; the host's wall timeout is the bound that cannot be undone, and
-  between cells a host with a cgroup freezes whatever a cell left running.
+  a call ends only once the host has proved this runner back at its read (:mod:`agentenv.sandboxes.boundary`).
+* It resets SIGINT to the default action, so the interpreter catches no signal at all: a caught signal is a
+  handler the cell installed, which tells the host to freeze the tree between cells.
 * Cells arrive on stdin as ``b"<nbytes> <nonce> <cpu_s>\\n" + source``. stdin is then pointed at /dev/null so user
   code that reads input gets EOF instead of the protocol.
 * User code runs in a fresh ``__main__`` module; its output goes straight to the real fd 1/2 (stdout line-buffered,
@@ -30,7 +32,10 @@ import sys
 
 def _main(argv):
     import _ast
+    import _signal
     import resource as r
+
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
 
     mode, as_bytes, cpu, nproc, fsize, nofile = argv[0], *map(int, argv[1:6])
     once, mux = mode == "once", mode == "session-mux"

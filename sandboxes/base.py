@@ -12,8 +12,11 @@ Contract:
   which behave like notebook cells (a trailing expression is echoed with its repr; ``sys.exit`` ends only the cell).
   A call that times out or kills the interpreter (crash, ``os._exit``, CPU limit) kills the tree and starts a fresh
   interpreter at once; that call's result has ``session_restarted=True``: every earlier definition is gone.
-  Between cells the interpreter's whole tree is frozen where the backend can (a cgroup freezer): a thread left
-  running by a cell gets no CPU until the next cell starts.
+  A call ends only when the backend proves the interpreter back at the runner's read (bubblewrap with a cgroup:
+  :mod:`agentenv.sandboxes.boundary`; the end-of-cell marker alone can be forged by the cell), and whatever the
+  cell left that could still run (a thread, a child, a signal handler on a timer) is frozen until the next cell:
+  it gets CPU only inside a call, under that call's limits. A cell that never lets the runner get back to its
+  read runs until the call's deadline and is then treated as a timeout.
   ``run(limits=...)`` on a session may change ``timeout_s``, ``cpu_s`` and ``max_output_bytes`` per call; the
   process-wide limits are fixed when the interpreter starts.
 * Sessions die with ``close()``, with their sandbox's ``close()``, when garbage-collected, and at interpreter exit.
@@ -124,6 +127,24 @@ def _kill(proc):
     proc.kill()
 
 
+def _settle(proc, deadline: float, out: Sink, err: Sink) -> str:
+    """After the end-of-cell marker: "done" once the interpreter is provably back at the runner's read (frozen
+    if need be, see :mod:`agentenv.sandboxes.boundary`), else keep reading its output and look again, with
+    backoff, until the leader exits ("eof") or the deadline ("timeout")."""
+    at_rest = getattr(proc, "at_rest", None)
+    if at_rest is None:  # a backend without a host-side view of its interpreter: the marker is all there is
+        return "done"
+    wait = 0.0005
+    while not at_rest():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return "timeout"
+        if pump(proc, b"", time.monotonic() + min(wait, left), out, err, stop_on_markers=False) == "eof":
+            return "eof"
+        wait = min(wait * 2, 0.02)
+    return "done"
+
+
 class Session:
     """A persistent interpreter inside one sandbox; see the module docstring for restart semantics."""
 
@@ -175,8 +196,8 @@ class Session:
                 thaw()
             state = pump(proc, payload, deadline, out, err, stop_on_markers=True)
             if state == "done":
-                if thaw is not None:
-                    proc.freeze()  # no CPU for threads the cell left behind until the next cell
+                state = _settle(proc, deadline, out, err)
+            if state == "done":
                 _, code, exc = out.status.split(b":", 2) if out.status.count(b":") >= 2 else (b"", b"1", b"")
                 return _result(out, err, int(code) if code.isdigit() else 1, False, exc, proc, started,
                                self.sandbox.name)

@@ -9,7 +9,8 @@ What each sandboxed process gets (and how):
   ``bwrap`` set PR_SET_PDEATHSIG once it has cloned the sandbox, so it dies with the host process too (it fires
   when the *thread* that started it exits, hence :mod:`.process`'s long-lived spawner thread). A host killed
   within the first millisecond of a start, before that prctl, is the one window left.
-* A filesystem made only of a read-only ``/usr`` (with the merged-usr ``/bin``, ``/lib``... links), a private
+* A filesystem made only of read-only ``/usr/bin``, ``/usr/lib``, ``/usr/lib64`` and ``/usr/share/zoneinfo``
+  (:data:`USR_DIRS`, with the merged-usr ``/bin``, ``/lib``... links; not ``/usr/local``), a private
   ``/proc`` and minimal ``/dev``, and a private size-capped tmpfs ``/tmp`` (``Limits.disk_mb``) as the only
   writable place. No ``/etc``, ``/home``, ``/root`` or host ``/tmp``. The environment is replaced, not inherited.
 * The host is root here, and root ignores RLIMIT_NPROC, so inside the namespaces ``setpriv`` drops to an
@@ -26,8 +27,8 @@ What each sandboxed process gets (and how):
 * A cgroup per sandboxed process tree (:mod:`.cgroups`): ``Limits.memory_mb`` also caps the tree's *total*
   memory, counting shared memory (memfd), tmpfs files and page cache, with no swap; ``pids.max`` caps its tasks
   (``max_processes`` plus bwrap's own); its CPU rate is capped at ``cpus`` cores; ``memory_exceeded`` comes from
-  the group's OOM counter. A session is frozen between cells, so a thread that ignores SIGXCPU burns no CPU
-  while no cell runs. Where cgroups or the seccomp filter are unavailable the sandbox still runs, after a loud
+  the group's OOM counter. A session call ends only once the interpreter is provably idle at the runner's read,
+  and whatever a cell left able to run is frozen until the next cell (:mod:`.boundary`). Where cgroups or the seccomp filter are unavailable the sandbox still runs, after a loud
   warning (``cgroups=False`` / ``seccomp=False`` turn them off; ``True`` makes their absence an error).
 * The interpreter is the system ``/usr/bin/python3`` run as ``-S -I`` (no site, no user paths, no PYTHON* env),
   because ``/root/.pyenv`` is not reachable by an unprivileged uid. Any other interpreter must be readable and
@@ -84,8 +85,16 @@ def _reachable_by_others(path: str) -> bool:
     return bool(mode & stat.S_IROTH and mode & stat.S_IXOTH)
 
 
+# What the system interpreter and tool code need of /usr; not /usr/local (its etc/ holds host configuration such
+# as package-registry credentials), /usr/etc, /usr/src or /usr/include.
+USR_DIRS = ("/usr/bin", "/usr/lib", "/usr/lib64", "/usr/share/zoneinfo")
+
+
 def _mount_args() -> list[str]:
-    args = ["--ro-bind", "/usr", "/usr"]
+    args = ["--perms", "0755", "--dir", "/usr", "--perms", "0755", "--dir", "/usr/share"]  # else 0700: root's only
+    for d in USR_DIRS:
+        if os.path.isdir(d) and not os.path.islink(d):
+            args += ["--ro-bind", d, d]
     for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         p = "/" + top
         if os.path.islink(p):
@@ -138,6 +147,10 @@ class BubblewrapSandbox(Sandbox):
         for b in ro_binds:
             if not os.path.isabs(b) or not os.path.exists(b):
                 raise ValueError(f"ro_binds entries must be existing absolute paths, got {b!r}")
+        real = os.path.realpath(self.python)
+        if not any(real.startswith(d + "/") for d in (*USR_DIRS, *map(os.path.realpath, ro_binds))):
+            raise ValueError(f"bubblewrap backend: {self.python} is outside what the sandbox mounts "
+                             f"({', '.join(USR_DIRS)}); bind its prefix with ro_binds=(...)")
         if uid is not None and not (isinstance(uid, int) and 0 < uid < 2**31):
             raise ValueError(f"uid must be a positive int (not root), got {uid!r}")
         self.fixed_uid = uid

@@ -13,8 +13,9 @@ Contract:
   the legacy one (v1: ``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes`` (no swap), ``pids.max``,
   ``cpu.cfs_quota_us``, ``freezer.state``, ``memory.oom_control``), detected from ``/proc/self/mountinfo``.
 * Groups live under ``agentenv-<host pid>`` inside the host process's own cgroup for each controller, so whatever
-  limits the host itself is under still apply, and two host processes never share a parent. Empty groups of host
-  processes that died without cleaning up are removed when the next manager starts. On v2 a group with processes
+  limits the host itself is under still apply, and two host processes never share a parent. Nothing outlives the
+  host (:mod:`.reaper`): a watchdog process reaps the groups the moment the host dies, however it dies, and the
+  next manager to start reaps the groups of every host that is gone (kill, thaw, remove). On v2 a group with processes
   cannot hand controllers to children, so a host alone in its (delegated) cgroup first moves itself into a leaf
   ``agentenv-host-<pid>`` beside that parent. Only the v1 path runs on the machines this was built on.
 * :meth:`CgroupManager.create` makes a fresh leaf per sandboxed process tree. The tree's first process joins it
@@ -37,6 +38,8 @@ import threading
 import time
 import warnings
 from pathlib import Path
+
+from agentenv.sandboxes import reaper
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,7 @@ class Cgroup:
         self._tasks_fd = os.open(dirs["memory" if self.v2 else "pids"] / "pids.current", os.O_RDONLY | os.O_CLOEXEC)
         self._oom_seen = self.oom_kills()
         self.frozen = False
+        self._state_fd: int | None = None  # freezer.state / cgroup.events, opened at the first freeze
         self.destroyed = False
 
     def join_argv(self, argv: list[str]) -> list[str]:
@@ -138,15 +142,29 @@ class Cgroup:
         seen, self._oom_seen = self._oom_seen, n
         return n > seen
 
-    def freeze(self) -> None:
-        """Stop every task in the group (no CPU at all) until :meth:`thaw`; used between session cells."""
+    def freeze(self, wait_s: float = 1.0) -> bool:
+        """Stop every task in the group (no CPU at all) until :meth:`thaw`, and wait up to ``wait_s`` until the
+        kernel reports every task frozen (v1 answers FREEZING first). Returns whether they all are."""
         if self.v2:
             _write(self.dirs["memory"] / "cgroup.freeze", "1")
+            path, done = self.dirs["memory"] / "cgroup.events", b"frozen 1"
         elif "freezer" in self.dirs:
             _write(self.dirs["freezer"] / "freezer.state", "FROZEN")
+            path, done = self.dirs["freezer"] / "freezer.state", b"FROZEN"
         else:
-            return
+            return False
         self.frozen = True
+        if self._state_fd is None:
+            self._state_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        deadline = time.monotonic() + wait_s
+        spins = 0
+        while done not in os.pread(self._state_fd, 256, 0):
+            if time.monotonic() > deadline:
+                return False
+            spins += 1
+            if spins > 200:  # usually frozen within ~0.2 ms of spinning; a task in D state can take longer
+                time.sleep(0.0005)
+        return True
 
     def thaw(self) -> None:
         if not self.frozen:
@@ -186,8 +204,9 @@ class Cgroup:
         self.kill()
         oom = self.new_oom_kill()
         self.destroyed = True
-        os.close(self._oom_fd)
-        os.close(self._tasks_fd)
+        for fd in (self._oom_fd, self._tasks_fd, self._state_fd):
+            if fd is not None:
+                os.close(fd)
         self.manager.remove(list(dict.fromkeys(self.dirs.values())))
         return oom
 
@@ -252,32 +271,7 @@ class CgroupManager:
     def cleanup(self, wait_s: float = 1.0) -> None:
         """At exit: kill what is left in every leaf, then remove the leaves and the parents (a leaf whose tasks
         are still dying after ``wait_s`` stays behind, empty soon, for the next start or the admin)."""
-        parents = list(dict.fromkeys(self.parents.values()))
-        for p in parents:
-            for leaf in p.glob("sb-*"):
-                try:
-                    for pid in (leaf / "cgroup.procs").read_text().split():
-                        os.kill(int(pid), signal.SIGKILL)
-                    if (leaf / "freezer.state").exists():
-                        _write(leaf / "freezer.state", "THAWED")
-                    elif (leaf / "cgroup.freeze").exists():
-                        _write(leaf / "cgroup.freeze", "0")
-                except (OSError, ValueError):
-                    pass
-        deadline = time.monotonic() + wait_s
-        while True:
-            busy = False
-            for p in parents:
-                for d in [*p.glob("sb-*"), p]:
-                    try:
-                        d.rmdir()
-                    except FileNotFoundError:
-                        pass
-                    except OSError:
-                        busy = True
-            if not busy or time.monotonic() > deadline:
-                return
-            time.sleep(0.02)
+        reaper.reap(list(dict.fromkeys(self.parents.values())), wait_s)
 
 
 def _make_parent(path: Path) -> Path:
@@ -287,16 +281,12 @@ def _make_parent(path: Path) -> Path:
 
 
 def _remove_stale(base: Path) -> None:
-    """Remove the empty groups of host processes that died without cleaning up (killed, or tasks slow to die)."""
+    """Reap the groups of host processes that died without cleaning up (killed, and their watchdog too): kill and
+    thaw what is left in them (a frozen task ignores SIGKILL until thawed), then remove them."""
     for parent in base.glob("agentenv-*"):
         pid = parent.name.removeprefix("agentenv-").removeprefix("host-")
-        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
-            continue
-        for d in [*parent.glob("sb-*"), parent]:
-            try:
-                d.rmdir()
-            except OSError:  # still has tasks: leave it to a later start
-                pass
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            reaper.reap([parent], wait_s=0.5)
 
 
 def _enable_v2_controllers(base: Path) -> None:
@@ -345,6 +335,15 @@ def _detect() -> CgroupManager:
     return CgroupManager(2, {"memory": parent})
 
 
+def _start_watchdog(m: CgroupManager):
+    try:
+        return reaper.start_watchdog(list(dict.fromkeys(m.parents.values())))
+    except OSError as e:  # the next host's start still reaps what this one leaves
+        log.warning("agentenv sandboxes: no cgroup watchdog (%s); a SIGKILLed host's frozen sandboxes are reaped "
+                    "only by the next start", e)
+        return None
+
+
 _manager: CgroupManager | None = None
 _manager_pid = 0
 _detect_lock = threading.Lock()
@@ -361,6 +360,7 @@ def manager() -> CgroupManager | None:
         try:
             _manager = _detect()
             atexit.register(_manager.cleanup)
+            _manager.watchdog = _start_watchdog(_manager)
         except (OSError, ValueError) as e:
             UNAVAILABLE = f"{type(e).__name__}: {e}"
             msg = ("agentenv sandboxes run WITHOUT cgroups (only per-process rlimits): memory held in shared "

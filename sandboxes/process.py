@@ -12,8 +12,10 @@ Contract:
   worker thread would otherwise die with that thread.
 * With a :class:`~agentenv.sandboxes.cgroups.Cgroup` the child joins it before ``exec`` (every process of the
   tree is then counted and limited by it), ``kill()`` also kills every task left in it and removes it, and
-  ``oom_killed`` reads its OOM counter (True once per OOM kill since it was last read). ``freeze()``/``thaw()``
-  stop and resume the whole tree (sessions are frozen between cells); without a cgroup they do nothing.
+  ``oom_killed`` reads its OOM counter (True once per OOM kill since it was last read). ``at_rest()`` ends a
+  session cell: it proves the interpreter idle at the runner's read, or freezes the whole tree and proves it
+  stopped there (:mod:`.boundary`); ``thaw()`` resumes the tree for the next cell. Without a cgroup neither
+  proves anything.
 * The same read/write/kill/wait interface is implemented by the docker backend's container handle;
   :mod:`agentenv.sandboxes.channel` only talks to that interface.
 """
@@ -27,6 +29,8 @@ import signal
 import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
+
+from agentenv.sandboxes.boundary import IdleProbe, find_interpreter
 
 _lock = threading.Lock()
 _live: set[PipeProc] = set()
@@ -71,6 +75,7 @@ class PipeProc:
             os.set_blocking(fd, False)
         self.mux = False  # separate pipes per stream: see channel.pump
         self._oom_at_kill = False
+        self._probe: IdleProbe | None = None  # set at the first end of cell
         with _lock:
             _live.add(self)
 
@@ -111,11 +116,25 @@ class PipeProc:
             return seen
         return self.cgroup.new_oom_kill()
 
-    def freeze(self) -> None:
-        """Between session cells: stop the tree if a cell left anything running besides the idle interpreter
-        (a ~2 us check; the freeze itself, ~0.3 ms, is paid only then)."""
-        if self.cgroup is not None and not self.cgroup.destroyed and self.cgroup.tasks() > self.rest_tasks:
-            self.cgroup.freeze()
+    def at_rest(self) -> bool:
+        """After an end-of-cell marker: is the interpreter provably back at the runner's read, with nothing else
+        able to run until the next cell (:mod:`.boundary`)? Idle without a freeze when provable (~20 us), else
+        the whole tree is frozen (~0.3 ms) and its interpreter must be stopped in that read. False leaves the tree
+        running. Without a cgroup there is no such proof: True, and cells are bounded only per call."""
+        group = self.cgroup
+        if group is None or group.destroyed:
+            return True
+        if self._probe is None:
+            pid = find_interpreter(group.pids())
+            if pid is None:
+                return False
+            self._probe = IdleProbe(pid, os.fstat(self.wfd).st_ino)
+        if self._probe.idle(group.tasks() == self.rest_tasks):
+            return True
+        if group.freeze() and self._probe.frozen_at_read():
+            return True
+        group.thaw()
+        return False
 
     def thaw(self) -> None:
         if self.cgroup is not None and not self.cgroup.destroyed:
@@ -128,6 +147,9 @@ class PipeProc:
             pass
         if self.cgroup is not None and not self.cgroup.destroyed:
             self._oom_at_kill = self.cgroup.destroy()  # also the tasks that left the process group
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
         try:
             self.popen.wait(5)
         except subprocess.TimeoutExpired:  # the leader is in uninterruptible sleep; the registry retries at exit

@@ -15,8 +15,12 @@ Contract:
   process inspection (``ptrace``, ``process_vm_readv/writev``, ``kcmp``, ``pidfd_getfd``); ``bpf``,
   ``perf_event_open``, ``userfaultfd``, ``io_uring_*``; module loading, ``kexec_*``, ``reboot``, swap, clocks,
   quotas, ``acct``, ``syslog``, NUMA placement, file handles; ``personality`` with flags that weaken ASLR or
-  exec protections (which also denies the 0xffffffff query, unused by Python); and ``ioctl(TIOCSTI)`` /
-  ``ioctl(TIOCLINUX)`` (typing into a terminal).
+  exec protections (which also denies the 0xffffffff query, unused by Python); ``ioctl(TIOCSTI)`` /
+  ``ioctl(TIOCLINUX)`` (typing into a terminal); Linux AIO (``io_setup`` and the rest: its pool is
+  machine-wide).
+* Sockets by allowlist: ``socket``/``socketpair`` succeed only for AF_UNIX, AF_INET and AF_INET6; every other
+  family (AF_VSOCK, which network namespaces do not cover, AF_PACKET, AF_NETLINK, ...) fails with
+  ``EAFNOSUPPORT``. Python starts and serves loopback without netlink.
 * Non-native ABIs (x32, i386 on x86_64) are killed by libseccomp's architecture check.
 * :func:`bpf` returns the compiled program (cached per process); :data:`UNAVAILABLE` says why there is none.
 * :func:`docker_profile` states the same rules as a Docker seccomp profile (JSON, no library needed), so both
@@ -42,6 +46,8 @@ DENY = (
     "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
     # large kernel attack surfaces tool code does not need
     "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    # Linux AIO: io_setup reserves from the machine-wide aio-max-nr pool, so one sandbox could take all of it
+    "io_setup", "io_submit", "io_cancel", "io_destroy", "io_getevents", "io_pgetevents",
     "lookup_dcookie", "fanotify_init", "open_by_handle_at", "name_to_handle_at",
     # the machine itself
     "init_module", "finit_module", "delete_module", "create_module", "query_module", "get_kernel_syms",
@@ -56,6 +62,11 @@ CLONE_NEW_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0
 PERSONALITY_FLAGS = (0x0040000, 0x0100000, 0x0200000, 0x0400000, 0x0800000, 0x8000000)
 # ADDR_NO_RANDOMIZE, MMAP_PAGE_ZERO, ADDR_COMPAT_LAYOUT, READ_IMPLIES_EXEC, ADDR_LIMIT_32BIT, ADDR_LIMIT_3GB
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C
+# socket()/socketpair() families: only AF_UNIX (1), AF_INET (2) and AF_INET6 (10); the rest (AF_VSOCK, which
+# ignores network namespaces, AF_PACKET, AF_NETLINK, ...) fail with EAFNOSUPPORT. Stated as denials (0, 3..9,
+# above 10) because the filter's default is ALLOW; a negative or oversized family compares as above 10.
+SOCKET_FAMILIES = (1, 2, 10)
+DENIED_FAMILIES = (0, *range(3, 10))
 
 
 def _library():
@@ -87,6 +98,11 @@ def build_filter():
         f.add_rule(eperm, "personality", lib.Arg(0, lib.MASKED_EQ, flag, flag))
     for request in (TIOCSTI, TIOCLINUX):
         f.add_rule(eperm, "ioctl", lib.Arg(1, lib.MASKED_EQ, 0xFFFFFFFF, request))
+    no_family = lib.ERRNO(errno.EAFNOSUPPORT)
+    for call in ("socket", "socketpair"):
+        for family in DENIED_FAMILIES:
+            f.add_rule(no_family, call, lib.Arg(0, lib.EQ, family))
+        f.add_rule(no_family, call, lib.Arg(0, lib.GT, max(SOCKET_FAMILIES)))
     return f
 
 
@@ -127,4 +143,8 @@ def docker_profile() -> dict:
     rules += [{"names": ["ioctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
                "args": [{"index": 1, "value": 0xFFFFFFFF, "valueTwo": request, "op": "SCMP_CMP_MASKED_EQ"}]}
               for request in (TIOCSTI, TIOCLINUX)]
+    rules += [{"names": ["socket", "socketpair"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EAFNOSUPPORT,
+               "args": [{"index": 0, "value": v, "op": op}]}
+              for v, op in [*((f, "SCMP_CMP_EQ") for f in DENIED_FAMILIES),
+                            (max(SOCKET_FAMILIES), "SCMP_CMP_GT")]]
     return {"defaultAction": "SCMP_ACT_ALLOW", "syscalls": rules}

@@ -55,7 +55,8 @@ def test_attack_inside_a_session_restarts_it_cleanly(bwrap, target, name):
         assert s.run("print(1 + 1)").stdout == "2\n"  # the fresh interpreter works
 
 
-@pytest.mark.parametrize("name", ["host_files", "tcp_localhost", "proc_snoop"])
+@pytest.mark.parametrize("name", ["host_files", "tcp_localhost", "proc_snoop", "usr_host_config", "forged_marker",
+                                  "alarm_between_cells", "threads_between_cells"])
 def test_the_same_attacks_escape_without_isolation(target, name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
