@@ -323,14 +323,22 @@ def cmd_sft(args) -> int:
 def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a model/checkpoint on a preset's eval splits",
                        description="Play every task of the preset's eval splits (eval.samples times) and report success, "
-                                   "tool-call rate and per-type success. Same as `run --eval-only`.")
+                                   "tool-call rate and per-type success. Same as `run --eval-only`. With "
+                                   "--endpoint URL: a model served behind an OpenAI-compatible API (vLLM, OpenAI, ...).")
     p.add_argument("--env", default=None, help="an env alias, a preset, a gymnasium id or MODULE:ENV_ID")
-    p.add_argument("--model", required=True, help="model dir (e.g. RUN/final_model), tiny, or an alias")
+    p.add_argument("--model", required=True, help="model dir, tiny, or an alias; with --endpoint the served name")
     _add_config_args(p)
+    from agentenv.endpoint_eval import add_endpoint_args
+
+    add_endpoint_args(p)
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args) -> int:
+    from agentenv.endpoint_eval import cmd_eval_endpoint, endpoint_only_flags
+
+    if args.endpoint or endpoint_only_flags(args):
+        return cmd_eval_endpoint(args, _config_from_args)
     args.dry_run, args.eval_only, args.resume = False, True, None
     return cmd_run(args)
 

@@ -141,7 +141,8 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: Task = Task(),
         t0 = time.perf_counter()
         try:
             if seq is None:
-                action = policy.act([dict(m) for m in messages], info)
+                # the reset's tool schemas on every turn: a text policy that forwards them (an endpoint) needs them
+                action = policy.act([dict(m) for m in messages], {**info, "tools": traj.tools} if traj.tools else info)
                 messages.append({"role": "assistant", "content": action})
             else:
                 limits = _turn_limits(cfg, len(seq), generated)
