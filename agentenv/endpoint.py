@@ -16,7 +16,9 @@ Contract:
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block per structured tool call (arguments that are
   not a JSON object are passed through raw, so the env counts the call as malformed, as it would a local model's).
   A server without a tool parser leaves the model's ``<tool_call>`` blocks in ``content``; they reach the env as
-  written. Either way the env parses the same text a local model would have produced.
+  written. Either way the env parses the same text a local model would have produced. A reply cut at
+  ``max_tokens`` (``finish_reason: "length"``) ends the episode as ``max_new_tokens``, ungraded, as a local
+  model's unfinished turn does (:class:`agentenv.policy.CutText`).
 * Errors: connection errors, timeouts, HTTP 408 / 409 / 429 and 5xx are retried ``retries`` times with exponential
   backoff (``backoff_s`` x 2^k, capped at ``max_backoff_s``; a ``Retry-After`` header within the cap is honoured);
   then, and for any other HTTP error (a refused request: bad model name, bad key, tools not supported), it raises
@@ -32,6 +34,7 @@ HTTP goes through ``httpx`` (optional extra ``agentenv[endpoint]``; imported on 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -41,6 +44,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from agentenv.envs.tools import parse_tool_calls
+from agentenv.policy import CutText
 
 RETRY_STATUS = {408, 409, 429}  # plus every 5xx
 
@@ -114,8 +118,9 @@ def to_openai_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def reply_to_action(message: dict) -> str:
-    """The env action for one chat-completions reply message (see the module docstring)."""
+def reply_to_action(message: dict, finish_reason: str | None = None) -> str:
+    """The env action for one chat-completions reply message (see the module docstring); a reply the server cut
+    at ``max_tokens`` (``finish_reason == "length"``) is a :class:`~agentenv.policy.CutText`."""
     parts = [message.get("content") or ""]
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
@@ -129,7 +134,8 @@ def reply_to_action(message: dict) -> str:
         else:
             args_text = json.dumps(args if args is not None else {})
         parts.append(f'<tool_call>\n{{"name": {json.dumps(fn.get("name", ""))}, "arguments": {args_text}}}\n</tool_call>')
-    return "\n".join(p for p in parts if p)
+    text = "\n".join(p for p in parts if p)
+    return CutText(text) if finish_reason == "length" else text
 
 
 def _httpx():
@@ -171,6 +177,8 @@ class EndpointPolicy:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s,
                                     limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+        if logging.getLogger("httpx").level == logging.NOTSET:  # httpx logs every request at INFO
+            logging.getLogger("httpx").setLevel(logging.WARNING)
         self._lock = threading.Lock()
         self.refused: EndpointError | None = None
         self.requests = self.retried = 0
@@ -212,8 +220,8 @@ class EndpointPolicy:
             time.sleep(wait)
         raise EndpointError(f"{problem} (after {self.retries + 1} attempts)")
 
-    def complete(self, messages: list[dict], tools: list[dict] | None, **overrides) -> dict:
-        """One chat completion; returns the reply message (``content`` and/or ``tool_calls``)."""
+    def complete(self, messages: list[dict], tools: list[dict] | None, **overrides) -> tuple[dict, str | None]:
+        """One chat completion: the reply message (``content`` and/or ``tool_calls``) and its ``finish_reason``."""
         body: dict[str, Any] = {"model": self.name, "messages": messages, **self.sampling, **overrides}
         if tools:
             body["tools"] = tools
@@ -223,14 +231,14 @@ class EndpointPolicy:
             for k in self.usage:
                 self.usage[k] += int((data.get("usage") or {}).get(k) or 0)
         try:
-            return data["choices"][0]["message"]
+            return data["choices"][0]["message"], data["choices"][0].get("finish_reason")
         except (KeyError, IndexError, TypeError):
             raise EndpointError(f"{self.url}/chat/completions answered without choices[0].message: "
                                 f"{json.dumps(data)[:200]}") from None
 
     # --- the TextPolicy interface -----------------------------------------------------------------------------------
     def act(self, messages: list[dict], info: dict) -> str:
-        return reply_to_action(self.complete(to_openai_messages(messages), info.get("tools")))
+        return reply_to_action(*self.complete(to_openai_messages(messages), info.get("tools")))
 
     def check(self, messages: list[dict], tools: list[dict] | None) -> None:
         """The pre-flight (see the module docstring); raises :class:`EndpointError`."""

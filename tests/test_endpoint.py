@@ -86,6 +86,9 @@ class ScriptedServer:
                 prev = next(p for p in reversed(msgs[:i]) if p["role"] == "assistant")
                 if m.get("tool_call_id") not in {c["id"] for c in prev.get("tool_calls") or []}:
                     return 400, {"error": {"message": f"messages[{i}]: tool_call_id does not answer a call"}}, {}
+        if self.mode == "cut":  # the right answer, but cut at max_tokens: never graded
+            message = {"role": "assistant", "content": "\\boxed{60}"}
+            return 200, {"choices": [{"index": 0, "message": message, "finish_reason": "length"}]}, {}
         if msgs[-1]["role"] == "user":
             item = re.search(r"every (\w+) in stock", msgs[-1]["content"]).group(1)
             calls = [{"name": "lookup", "arguments": {"item": item}},
@@ -217,3 +220,16 @@ def test_malformed_structured_arguments_reach_the_env_as_a_malformed_call():
                                {"role": "tool", "content": "[1] lookup:\n0.5\n\n[2] lookup:\n120"}])
     assert msgs[1]["content"] is None and [c["id"] for c in msgs[1]["tool_calls"]] == ["call_1_0", "call_1_1"]
     assert [(m["tool_call_id"], m["content"]) for m in msgs[2:]] == [("call_1_0", "0.5"), ("call_1_1", "120")]
+
+
+def test_a_reply_cut_at_max_tokens_ends_the_episode_ungraded(user_dir):
+    from agentenv.endpoint import EndpointPolicy
+    from agentenv.runtime import RolloutConfig, Task, run_episode
+    import gymnasium as gym
+
+    with ScriptedServer(mode="cut") as srv:
+        policy = EndpointPolicy(srv.url, "shop-player")
+        traj = run_episode(gym.make("shop_env:Shop-v0"), policy, RolloutConfig(), Task(options={"task_index": 0}))
+        policy.close()
+    assert (traj.finish_reason, traj.truncated, traj.success, traj.reward) == ("max_new_tokens", True, False, 0.0)
+    assert traj.messages[-1] == {"role": "assistant", "content": "\\boxed{60}"}
