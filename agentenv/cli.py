@@ -274,6 +274,8 @@ def _add_sft(sub) -> None:
     p.add_argument("--model", default="tiny:128x4")
     p.add_argument("--demos", default="scripted", help="'scripted', a trajectories JSONL path (.jsonl or .jsonl.xz), "
                                                        "or builtin:NAME for shipped demos (builtin:alfworld_demos)")
+    p.add_argument("--env", default=None, help="MODULE:ENV_ID, id or alias: --demos is then a JSONL of chats "
+                   "(docs/tool_envs.md), each played in this env to get the tokens RL will see")
     p.add_argument("--num-demos", type=int, default=1000)
     p.add_argument("--tool-fraction", type=float, default=0.25, help="scripted demos: share that call the tool")
     p.add_argument("--all", action="store_true", help="also imitate unsuccessful demos (default: successes only)")
@@ -303,7 +305,16 @@ def cmd_sft(args) -> int:
     except (ModelNotAvailable, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.demos == "scripted":
+    if args.env:
+        from agentenv.env_demos import DemoError, env_demos
+
+        try:
+            demos = env_demos(args.env, path, tok, max_tokens=args.max_tokens, only_successful=not args.all,
+                              limit=args.num_demos)
+        except (DemoError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    elif args.demos == "scripted":
         demos = demo.demo_trajectories(tok, args.num_demos, args.tool_fraction, seed=args.seed + 1)
     else:
         raw = []
