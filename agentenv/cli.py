@@ -274,6 +274,8 @@ def _add_sft(sub) -> None:
     p.add_argument("--model", default="tiny:128x4")
     p.add_argument("--demos", default="scripted", help="'scripted', a trajectories JSONL path (.jsonl or .jsonl.xz), "
                                                        "or builtin:NAME for shipped demos (builtin:alfworld_demos)")
+    p.add_argument("--env", default=None, help="MODULE:ENV_ID, id or alias: --demos is then a JSONL of chats "
+                   "(docs/tool_envs.md), each played in this env to get the tokens RL will see")
     p.add_argument("--num-demos", type=int, default=1000)
     p.add_argument("--tool-fraction", type=float, default=0.25, help="scripted demos: share that call the tool")
     p.add_argument("--all", action="store_true", help="also imitate unsuccessful demos (default: successes only)")
@@ -305,7 +307,16 @@ def cmd_sft(args) -> int:
     except (ModelNotAvailable, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.demos == "scripted":
+    if args.env:
+        from agentenv.env_demos import DemoError, env_demos
+
+        try:
+            demos = env_demos(args.env, path, tok, max_tokens=args.max_tokens, only_successful=not args.all,
+                              limit=args.num_demos)
+        except (DemoError, ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    elif args.demos == "scripted":
         demos = demo.demo_trajectories(tok, args.num_demos, args.tool_fraction, seed=args.seed + 1)
         heldout = demo.demo_trajectories(tok, args.heldout_demos, args.tool_fraction, seed=args.seed + 2,
                                          split="heldout")
@@ -330,14 +341,22 @@ def cmd_sft(args) -> int:
 def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a model/checkpoint on a preset's eval splits",
                        description="Play every task of the preset's eval splits (eval.samples times) and report success, "
-                                   "tool-call rate and per-type success. Same as `run --eval-only`.")
+                                   "tool-call rate and per-type success. Same as `run --eval-only`. With "
+                                   "--endpoint URL: a model served behind an OpenAI-compatible API (vLLM, OpenAI, ...).")
     p.add_argument("--env", default=None, help="an env alias, a preset, a gymnasium id or MODULE:ENV_ID")
-    p.add_argument("--model", required=True, help="model dir (e.g. RUN/final_model), tiny, or an alias")
+    p.add_argument("--model", required=True, help="model dir, tiny, or an alias; with --endpoint the served name")
     _add_config_args(p)
+    from agentenv.endpoint_eval import add_endpoint_args
+
+    add_endpoint_args(p)
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args) -> int:
+    from agentenv.endpoint_eval import cmd_eval_endpoint, endpoint_only_flags
+
+    if args.endpoint or endpoint_only_flags(args):
+        return cmd_eval_endpoint(args, _config_from_args)
     args.dry_run, args.eval_only, args.resume = False, True, None
     return cmd_run(args)
 

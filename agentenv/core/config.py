@@ -179,6 +179,7 @@ class RunSection(_Section):
     plot: bool = True  # PNG curves at the end of the run
     collapse_window: int = Field(20, ge=2)  # updates over which the tool-call peak is tracked
     collapse_ratio: float = Field(0.3, gt=0, lt=1)  # warn when the tool rate falls below this x its recent peak
+    no_learning_updates: int = Field(5, ge=1)  # warn once after this many updates in a row that cannot learn
     save_trajectories: bool = True
     threads: Optional[int] = Field(None, ge=1)  # torch CPU threads
 

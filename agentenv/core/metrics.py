@@ -13,6 +13,8 @@ Contract:
 * Tool-call collapse alarm: with ``peak`` = the highest tool share (trajectories with >= 1 tool call) over the last
   ``window`` updates and ``now`` the mean of the last 3, it warns ``TOOL-CALL COLLAPSE`` once ``now < ratio * peak``
   (and peak >= 0.2), and sets ``tool_collapse_alarm`` = 1 in that update's metrics. It re-arms after recovery.
+* No-learning alarm (:mod:`agentenv.stall`): ``no_learning_updates`` updates in a row without an optimizer step or
+  with every reward of the batch equal warn once with the reason and the fix (``no_learning_alarm`` = 1 then).
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ def update_record(*, update: int, policy_version: int, mode: str, batch: Sequenc
     the learner's scalar stats under their own names, the accounting counters, and the timings."""
     rec: dict = {"update": update, "policy_version": policy_version, "mode": mode, "batch_size": len(batch)}
     rec.update(batch_metrics(batch))
+    rec["reward_min"] = min((t.reward for t in batch), default=0.0)  # equal to reward_max: nothing to rank (stall)
+    rec["reward_max"] = max((t.reward for t in batch), default=0.0)
     rec["lag_mean"] = sum(lm for lm, _ in lags) / max(1, len(lags))
     rec["lag_max"] = max((lx for _, lx in lags), default=0)
     rec["versions_per_traj_max"] = max((len(t.versions) for t in batch), default=0)
@@ -122,13 +126,16 @@ def update_record(*, update: int, policy_version: int, mode: str, batch: Sequenc
 class MetricsLogger:
     def __init__(self, run_dir: str | Path | None, *, tensorboard: bool = True, wandb: bool = False,
                  collapse_window: int = 20, collapse_ratio: float = 0.3, config: dict | None = None,
-                 echo=print):
+                 echo=print, no_learning_updates: int = 5):
+        from agentenv.stall import NoLearningWatch
+
         self.run_dir = Path(run_dir) if run_dir else None
         self.echo = echo
         self.history: list[dict] = []
         self.window = deque(maxlen=collapse_window)
         self.collapse_ratio = collapse_ratio
         self._alarmed = False
+        self.stall = NoLearningWatch(no_learning_updates)  # warns once: K updates in a row that cannot learn
         self._tokens_total = 0
         self._f = self._tb = self._wandb = None
         if self.run_dir is not None:
@@ -163,6 +170,7 @@ class MetricsLogger:
         if m.get("elapsed_s"):
             m["tokens_per_s"] = self._tokens_total / m["elapsed_s"]
         m["tool_collapse_alarm"] = int(self._collapse_check(m.get("tool_share")))
+        m["no_learning_alarm"] = int(self.stall.observe(m) is not None)
         self.history.append(m)
         step = int(m.get("update", len(self.history)))
         if self._f is not None:

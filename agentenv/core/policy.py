@@ -97,8 +97,14 @@ class Policy(Protocol):
 @runtime_checkable
 class TextPolicy(Protocol):
     """A non-LLM policy (scripted expert, human) that answers with text. The runtime records its messages,
-    reward and outcome but no token-level fields (there is no sampler distribution to record)."""
+    reward and outcome but no token-level fields (there is no sampler distribution to record). A policy whose turn
+    was cut at its length limit returns a :class:`CutText`: the runtime then ends the episode as ``max_new_tokens``
+    (truncated, never graded), as it does for a token-level sampler's ``stop_reason == "length"``."""
 
     name: str
 
     def act(self, messages: list[dict], info: dict) -> str: ...
+
+
+class CutText(str):
+    """The text of a turn that hit its length limit before the model ended it (see :class:`TextPolicy`)."""

@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Iterator
 import gymnasium as gym
 
 from agentenv.core.chat import ChatSequence
-from agentenv.core.policy import Generation, GenerationRequest, SamplingParams
+from agentenv.core.policy import CutText, Generation, GenerationRequest, SamplingParams
 from agentenv.core.trajectory import Trajectory
 
 log = logging.getLogger("agentenv.core.runtime")
@@ -142,8 +142,9 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: EpisodeSpec = Ep
         t0 = time.perf_counter()
         try:
             if seq is None:
-                action = policy.act([dict(m) for m in messages], info)
-                messages.append({"role": "assistant", "content": action})
+                # the reset's tool schemas on every turn: a text policy that forwards them (an endpoint) needs them
+                action = policy.act([dict(m) for m in messages], {**info, "tools": traj.tools} if traj.tools else info)
+                messages.append({"role": "assistant", "content": str(action)})
             else:
                 limits = _turn_limits(cfg, len(seq), generated)
                 if min(limits.values()) < 1:
@@ -167,6 +168,9 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: EpisodeSpec = Ep
         traj.num_turns += 1
         if seq is not None and gen.stop_reason == "length":
             traj.truncated, finish = True, _binding(limits)
+            break
+        if isinstance(action, CutText):  # a text policy's turn cut at its length limit: never graded, as above
+            traj.truncated, finish = True, "max_new_tokens"
             break
         # --- the env's turn -------------------------------------------------------------------------------------
         t0 = time.perf_counter()

@@ -108,7 +108,7 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
     evals: list[dict] = []
     logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
                            collapse_window=cfg.run.collapse_window, collapse_ratio=cfg.run.collapse_ratio,
-                           config=cfg.to_dict(), echo=echo)
+                           config=cfg.to_dict(), echo=echo, no_learning_updates=cfg.run.no_learning_updates)
     make_policy = policy_factory(cfg, model_path, plan)
     eval_policy = None
 
@@ -200,6 +200,11 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
         learner.close()
     logger.close()
     summary["wall_s"] = time.perf_counter() - t_start
+    from agentenv.core.metrics import read_metrics
+    from agentenv.stall import step_counts
+
+    summary.update(step_counts(read_metrics(run_dir)))  # the whole run's updates, a resumed run's included
+    summary["no_learning_warning"] = logger.stall.warned
     components = {**trainer.components, "learner": learner.components()}
     (run_dir / "summary.json").write_text(json.dumps({"summary": summary, "components": components, "evals": evals,
                                                       "final_model": str(final)}, indent=2, default=str))
