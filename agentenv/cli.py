@@ -308,7 +308,7 @@ def cmd_sft(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.env:
-        from agentenv.env_demos import DemoError, env_demos
+        from agentenv.run.env_demos import DemoError, env_demos
 
         try:
             demos = env_demos(args.env, path, tok, max_tokens=args.max_tokens, only_successful=not args.all,
@@ -346,14 +346,14 @@ def _add_eval(sub) -> None:
     p.add_argument("--env", default=None, help="an env alias, a preset, a gymnasium id or MODULE:ENV_ID")
     p.add_argument("--model", required=True, help="model dir, tiny, or an alias; with --endpoint the served name")
     _add_config_args(p)
-    from agentenv.endpoint_eval import add_endpoint_args
+    from agentenv.run.endpoint_eval import add_endpoint_args
 
     add_endpoint_args(p)
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args) -> int:
-    from agentenv.endpoint_eval import cmd_eval_endpoint, endpoint_only_flags
+    from agentenv.run.endpoint_eval import cmd_eval_endpoint, endpoint_only_flags
 
     if args.endpoint or endpoint_only_flags(args):
         return cmd_eval_endpoint(args, _config_from_args)

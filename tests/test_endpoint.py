@@ -187,7 +187,7 @@ def test_endpoint_flags_need_an_endpoint(user_dir, capsys):
 
 
 def test_endpoint_policy_refuses_training_and_its_trajectories_cannot_be_trained_on(user_dir):
-    from agentenv.endpoint import EndpointPolicy, EndpointTrainingRefused
+    from agentenv.samplers.endpoint import EndpointPolicy, EndpointTrainingRefused
     from agentenv.core.runtime import RolloutConfig, Task, run_episode
     from agentenv.trainer.batch import collate
     import gymnasium as gym
@@ -204,7 +204,7 @@ def test_endpoint_policy_refuses_training_and_its_trajectories_cannot_be_trained
 
 
 def test_malformed_structured_arguments_reach_the_env_as_a_malformed_call():
-    from agentenv.endpoint import reply_to_action, to_openai_messages
+    from agentenv.samplers.endpoint import reply_to_action, to_openai_messages
     from agentenv.envs.tools import parse_tool_calls
 
     action = reply_to_action({"content": "let me look", "tool_calls": [
@@ -223,7 +223,7 @@ def test_malformed_structured_arguments_reach_the_env_as_a_malformed_call():
 
 
 def test_a_reply_cut_at_max_tokens_ends_the_episode_ungraded(user_dir):
-    from agentenv.endpoint import EndpointPolicy
+    from agentenv.samplers.endpoint import EndpointPolicy
     from agentenv.core.runtime import RolloutConfig, Task, run_episode
     import gymnasium as gym
 

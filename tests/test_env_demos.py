@@ -14,7 +14,7 @@ import gymnasium as gym
 import pytest
 
 from agentenv.cli import main
-from agentenv.env_demos import DemoError, env_demos
+from agentenv.run.env_demos import DemoError, env_demos
 from agentenv.core.policy import Generation
 from agentenv.core.runtime import RolloutConfig, Task, run_episodes
 from agentenv.samplers.tiny import qwen_tokenizer

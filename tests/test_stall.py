@@ -8,7 +8,7 @@ import logging
 import re
 from pathlib import Path
 
-from agentenv.stall import NoLearningWatch, step_counts
+from agentenv.core.stall import NoLearningWatch, step_counts
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 SECTION = README.split("## Writing a new tool environment", 1)[1].split("\n## ", 1)[0]
@@ -23,7 +23,7 @@ def test_the_watch_warns_once_with_the_reason(caplog):
     w = NoLearningWatch(3)
     assert [w.observe(rec(0, 0, 1)) for _ in range(2)] == [None, None]
     assert w.observe(rec(0, 1, 0)) is None  # a batch that can learn resets the count
-    with caplog.at_level(logging.WARNING, logger="agentenv.stall"):
+    with caplog.at_level(logging.WARNING, logger="agentenv.core.stall"):
         said = [w.observe(rec(0, 0, 1)) for _ in range(5)]
     assert said[:2] == [None, None] and said[3:] == [None, None]  # once
     assert "every reward in the last 3 batches is 0" in said[2] and "agentenv sft" in said[2]
@@ -41,12 +41,12 @@ def test_a_run_that_never_reaches_a_reward_says_so(tmp_path, monkeypatch, caplog
     (tmp_path / "shop_env.py").write_text(SHOP_ENV)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="agentenv.stall"):
+    with caplog.at_level(logging.WARNING, logger="agentenv.core.stall"):
         rc = main(["run", "--env", "shop_env:Shop-v0", "--model", "tiny", "--run-dir", "run", "--no-progress",
                    "--set", "loop.total_updates=3", "--set", "loop.batch_size=4", "--set", "rollout.max_new_tokens=8",
                    "--set", "run.no_learning_updates=2", "--set", "run.plot=false", "--set", "eval.at_end=false"])
     assert rc == 0
-    warnings = [r.getMessage() for r in caplog.records if r.name == "agentenv.stall"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "agentenv.core.stall"]
     assert len(warnings) == 1 and "every reward in the last 2 batches is 0" in warnings[0], warnings
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())["summary"]
     assert summary["optimizer_steps"] == 0 and summary["optimizer_steps_skipped"] == 3

@@ -13,7 +13,7 @@ Contract:
 * Tool-call collapse alarm: with ``peak`` = the highest tool share (trajectories with >= 1 tool call) over the last
   ``window`` updates and ``now`` the mean of the last 3, it warns ``TOOL-CALL COLLAPSE`` once ``now < ratio * peak``
   (and peak >= 0.2), and sets ``tool_collapse_alarm`` = 1 in that update's metrics. It re-arms after recovery.
-* No-learning alarm (:mod:`agentenv.stall`): ``no_learning_updates`` updates in a row without an optimizer step or
+* No-learning alarm (:mod:`agentenv.core.stall`): ``no_learning_updates`` updates in a row without an optimizer step or
   with every reward of the batch equal warn once with the reason and the fix (``no_learning_alarm`` = 1 then).
 """
 
@@ -127,7 +127,7 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path | None, *, tensorboard: bool = True, wandb: bool = False,
                  collapse_window: int = 20, collapse_ratio: float = 0.3, config: dict | None = None,
                  echo=print, no_learning_updates: int = 5):
-        from agentenv.stall import NoLearningWatch
+        from agentenv.core.stall import NoLearningWatch
 
         self.run_dir = Path(run_dir) if run_dir else None
         self.echo = echo

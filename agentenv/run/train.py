@@ -201,7 +201,7 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
     logger.close()
     summary["wall_s"] = time.perf_counter() - t_start
     from agentenv.core.metrics import read_metrics
-    from agentenv.stall import step_counts
+    from agentenv.core.stall import step_counts
 
     summary.update(step_counts(read_metrics(run_dir)))  # the whole run's updates, a resumed run's included
     summary["no_learning_warning"] = logger.stall.warned

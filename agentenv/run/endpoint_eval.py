@@ -7,7 +7,7 @@ Contract of :func:`cmd_eval_endpoint`:
   the server serves, not a checkpoint. Every split in ``eval.splits`` (else the training tasks) is played:
   ``--episodes N`` episodes, dealt over the split's tasks in order and round after round (default: every task
   ``eval.samples`` times).
-* The policy is :class:`agentenv.endpoint.EndpointPolicy` (text level, evaluation only), ``--concurrency`` episodes
+* The policy is :class:`agentenv.samplers.endpoint.EndpointPolicy` (text level, evaluation only), ``--concurrency`` episodes
   in flight on the runtime's threads. Its pre-flight runs before anything is written: an unreachable endpoint, a
   bad key, an unknown model or a request the server refuses is one ``error: ...`` line, exit 2, and no run
   directory.
@@ -79,7 +79,7 @@ def cmd_eval_endpoint(args, config_from_args) -> int:
     """``config_from_args(args)`` builds the RunConfig as every training command does (passed in: the CLI imports
     this module)."""
     from agentenv.core.config import ConfigError
-    from agentenv.endpoint import EndpointError, EndpointPolicy, api_key_from_env
+    from agentenv.samplers.endpoint import EndpointError, EndpointPolicy, api_key_from_env
     from agentenv.run.episodes import env_factory, rollout_config
     from agentenv.core.metrics import batch_metrics
     from agentenv.core.runtime import run_episodes

@@ -19,7 +19,7 @@ Contract of :func:`load_env_demos`:
 
 * Each demo is PLAYED: the env is reset with ``{"task_index": i}`` and the runtime (:func:`agentenv.core.runtime.
   run_episode`) runs it with a token-level policy that emits each assistant turn as its tokens plus the end-of-turn
-  token (tool calls as the Hermes ``<tool_call>`` blocks the env parses, built as :func:`agentenv.endpoint.
+  token (tool calls as the Hermes ``<tool_call>`` blocks the env parses, built as :func:`agentenv.samplers.endpoint.
   reply_to_action` builds them). So the system prompt, tool schemas, template glue and observation tokens are
   exactly those of a live episode: SFT trains on the tokens RL will see. Reward and ``success`` are the env's.
 * A demo that does not match the env raises :class:`DemoError`, one line: ``FILE:LINE: FIELD: what is wrong`` --
@@ -91,7 +91,7 @@ def _calls(m: dict, where: str, tools: set[str] | None) -> list[str]:
 def _parse(demo, where: str, n_tasks: int, tools: set[str] | None):
     """-> (task_index, actions, observations): per action but the last, the demo's observation after it
     (``{"role", "texts", "first": message index, "names": the calls it answers}``) or None where left out."""
-    from agentenv.endpoint import reply_to_action
+    from agentenv.samplers.endpoint import reply_to_action
 
     if not isinstance(demo, dict) or not isinstance(demo.get("messages"), list) or not demo["messages"]:
         raise DemoError(f"{where}: messages: expected {{\"task_index\": i, \"messages\": [...]}} with a non-empty list")

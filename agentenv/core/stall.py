@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("agentenv.stall")
+log = logging.getLogger("agentenv.core.stall")
 
 FIX_ZERO = ("warm-start it with `agentenv sft --env ENV --demos FILE.jsonl` (README: 'Writing a new tool environment'; "
             "docs/tool_envs.md) or give partial credit")
