@@ -316,6 +316,7 @@ def cmd_sft(args) -> int:
         except (DemoError, ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        demos, heldout = split_heldout(demos, args.heldout_demos, seed=args.seed)
     elif args.demos == "scripted":
         demos = demo.demo_trajectories(tok, args.num_demos, args.tool_fraction, seed=args.seed + 1)
         heldout = demo.demo_trajectories(tok, args.heldout_demos, args.tool_fraction, seed=args.seed + 2,

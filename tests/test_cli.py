@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import time
 
 from agentenv.cli import main
 from agentenv.core.metrics import MetricsLogger
@@ -40,13 +39,11 @@ def test_dry_run_prints_paper_setting_and_flags_missing_weights(capsys, tmp_path
 
 
 def test_run_without_weights_fails_fast_with_instructions(tmp_path):
-    t0 = time.perf_counter()
     r = run_cli("run", "--env", "alfworld", "--model", "qwen2.5-7b", "--run-dir", str(tmp_path / "r"))
     assert r.returncode == 2
     assert "not available offline" in r.stderr and "--model /path/to/Qwen2.5-7B-Instruct" in r.stderr
     assert "Traceback" not in r.stderr
-    assert not (tmp_path / "r").exists()  # nothing created before the check
-    assert time.perf_counter() - t0 < 120
+    assert not (tmp_path / "r").exists()  # fails before anything is built: no run directory
 
 
 def test_bad_override_is_a_clear_error(capsys):

@@ -188,7 +188,7 @@ def test_endpoint_flags_need_an_endpoint(user_dir, capsys):
 
 def test_endpoint_policy_refuses_training_and_its_trajectories_cannot_be_trained_on(user_dir):
     from agentenv.samplers.endpoint import EndpointPolicy, EndpointTrainingRefused
-    from agentenv.core.runtime import RolloutConfig, Task, run_episode
+    from agentenv.core.runtime import RolloutConfig, EpisodeSpec, run_episode
     from agentenv.trainer.batch import collate
     import gymnasium as gym
 
@@ -196,7 +196,7 @@ def test_endpoint_policy_refuses_training_and_its_trajectories_cannot_be_trained
         policy = EndpointPolicy(srv.url, "shop-player")
         with pytest.raises(EndpointTrainingRefused, match="evaluation only"):
             policy.load_weights({}, 1)
-        traj = run_episode(gym.make("shop_env:Shop-v0"), policy, RolloutConfig(), Task(options={"task_index": 2}))
+        traj = run_episode(gym.make("shop_env:Shop-v0"), policy, RolloutConfig(), EpisodeSpec(options={"task_index": 2}))
         policy.close()
     assert traj.success and traj.token_ids == [] and traj.tool_calls_by_name == {"lookup": 2}
     with pytest.raises(ValueError, match="text-policy trajectories cannot be trained on"):
@@ -224,12 +224,12 @@ def test_malformed_structured_arguments_reach_the_env_as_a_malformed_call():
 
 def test_a_reply_cut_at_max_tokens_ends_the_episode_ungraded(user_dir):
     from agentenv.samplers.endpoint import EndpointPolicy
-    from agentenv.core.runtime import RolloutConfig, Task, run_episode
+    from agentenv.core.runtime import RolloutConfig, EpisodeSpec, run_episode
     import gymnasium as gym
 
     with ScriptedServer(mode="cut") as srv:
         policy = EndpointPolicy(srv.url, "shop-player")
-        traj = run_episode(gym.make("shop_env:Shop-v0"), policy, RolloutConfig(), Task(options={"task_index": 0}))
+        traj = run_episode(gym.make("shop_env:Shop-v0"), policy, RolloutConfig(), EpisodeSpec(options={"task_index": 0}))
         policy.close()
     assert (traj.finish_reason, traj.truncated, traj.success, traj.reward) == ("max_new_tokens", True, False, 0.0)
     assert traj.messages[-1] == {"role": "assistant", "content": "\\boxed{60}"}

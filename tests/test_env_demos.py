@@ -16,7 +16,7 @@ import pytest
 from agentenv.cli import main
 from agentenv.run.env_demos import DemoError, env_demos
 from agentenv.core.policy import Generation
-from agentenv.core.runtime import RolloutConfig, Task, run_episodes
+from agentenv.core.runtime import RolloutConfig, EpisodeSpec, run_episodes
 from agentenv.samplers.tiny import qwen_tokenizer
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -88,7 +88,7 @@ def test_a_rendered_demo_is_the_live_episode_token_for_token(user_dir, tok):
     rendered = env_demos("shop_env:Shop-v0", user_dir / "demos.jsonl", tok)
     assert [t.meta["task"] for t in rendered] == [0, 1, 2] and all(t.success and t.reward == 1.0 for t in rendered)
     live = run_episodes(lambda: gym.make("shop_env:Shop-v0"), Writer(tok), 3, RolloutConfig(concurrency=3),
-                        tasks=[Task(options={"task_index": k}, meta={"task": k}) for k in range(3)])
+                        tasks=[EpisodeSpec(options={"task_index": k}, meta={"task": k}) for k in range(3)])
     live.sort(key=lambda t: t.meta["task"])
     env = gym.make("shop_env:Shop-v0")
     for k, (r, t) in enumerate(zip(rendered, live)):

@@ -156,7 +156,7 @@ def load_env_demos(path: str | Path, make_env, tokenizer, *, max_tokens: int = 4
     (trajectories, skipped counts)."""
     from agentenv.envs import spec
     from agentenv.core.policy import SamplingParams
-    from agentenv.core.runtime import RolloutConfig, Task, run_episode
+    from agentenv.core.runtime import RolloutConfig, EpisodeSpec, run_episode
 
     if path is None or not Path(path).is_file():
         raise FileNotFoundError(f"--env needs --demos FILE.jsonl of chat demos (docs/tool_envs.md); got {path!r}")
@@ -182,7 +182,7 @@ def load_env_demos(path: str | Path, make_env, tokenizer, *, max_tokens: int = 4
             i, actions, observations = _parse(demo, where, n_tasks, tools)
             cfg = RolloutConfig(max_turns=len(actions), max_total_tokens=max_tokens, concurrency=1,
                                 sampling=SamplingParams(max_new_tokens=max_tokens))
-            traj = run_episode(env, _Player(tokenizer, actions), cfg, Task(seed=i, options={"task_index": i}))
+            traj = run_episode(env, _Player(tokenizer, actions), cfg, EpisodeSpec(seed=i, options={"task_index": i}))
             _check(traj, i, demo["messages"], actions, observations, where)
             if traj.finish_reason == "context_limit":
                 skipped["too_long"] += 1
