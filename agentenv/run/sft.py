@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +178,7 @@ def demo_nll(model, demos: Sequence[Trajectory], *, max_tokens: int = 8192) -> d
     """Mean NLL per action token of ``demos`` under ``model``, per :func:`demo_kind` and over all (``"all"``):
     ``{kind: {"nll": nats per token, "worst": the largest single-token NLL, "demos": n}}``."""
     from agentenv.trainer.batch import collate, microbatches
+    from agentenv.trainer.logprobs import token_log_probs
 
     was_training = model.training
     model.eval()
@@ -184,8 +186,6 @@ def demo_nll(model, demos: Sequence[Trajectory], *, max_tokens: int = 8192) -> d
     try:
         pad = getattr(model.config, "pad_token_id", None) or 0
         for rows, mb in microbatches(collate(list(demos), pad_token_id=pad), max_tokens):
-            from agentenv.trainer.logprobs import token_log_probs
-
             logp, _ = token_log_probs(model, mb.input_ids, mb.attention_mask, mb.action_mask)
             for r, i in enumerate(rows):
                 mask = mb.action_mask[r]
@@ -230,7 +230,7 @@ def train_sft(model, demos: Sequence[Trajectory], cfg: SFTConfig = SFTConfig(), 
                             weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(cfg, s, total))
     bar = None
-    if progress:
+    if progress and sys.stderr.isatty():  # a bar drawn into a redirected log hides the greppable lines
         from tqdm import tqdm
 
         bar = tqdm(total=total, desc="sft", unit="step", dynamic_ncols=True)
