@@ -40,6 +40,15 @@ class EnvConfig(_Section):
     train_split: Optional[str] = None  # for envs with splits (alfworld: train)
     tasks: Literal["env", "demo"] = "env"  # "demo": the built-in multiplication task set of agentenv.demo
     num_tasks: int = Field(256, ge=1)  # prompts per epoch (task_index 0..n-1, or seeds for envs without tasks)
+    # tasks=demo only: this share of the questions is asked as "A * 100", which the no-tool guess answers right (the
+    # ablations' task family: answering without the tool is sometimes rewarded); 0 = the demo itself
+    demo_easy_fraction: float = Field(0.0, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _demo_only(self):
+        if self.demo_easy_fraction and self.tasks != "demo":
+            raise ValueError("demo_easy_fraction shapes the demo's question set: it needs env.tasks=demo")
+        return self
 
 
 class ModelConfig(_Section):
