@@ -110,7 +110,7 @@ class LoopConfig(_Section):
     restart_workers: bool = True  # replace a crashed rollout worker (else run on with fewer)
     poll_interval_s: float = Field(0.02, gt=0)  # how long the loop waits for worker events per iteration
     seed: int = 0  # prompt order
-    # a benchmark harness, not a training setting: samplers hold the weights exactly this many updates behind the
+    # a benchmark harness, not a training setting: samplers hold the weights exactly this many versions behind the
     # learner (the starting weights until then), so the trust gate and importance sampling meet a known lag;
     # needs mode=sync_grpo, whose barrier keeps one weight version per batch. 0 = the latest weights.
     fixed_lag: int = Field(0, ge=0)

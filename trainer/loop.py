@@ -16,8 +16,9 @@ Who does what (each a module of its own; this one only connects them):
 * :func:`agentenv.metrics.update_record` builds the one per-update record; the sink
   (:class:`agentenv.metrics.MetricsLogger`) writes ``metrics.jsonl`` / TensorBoard / the ``[update N]`` line.
 * Samplers get the learner's newest weights after each update; ``loop.fixed_lag = k`` (a benchmark harness, sync
-  mode only) publishes the weights of ``k`` updates ago instead (the starting weights until there are that many), so
-  every batch from update ``k + 1`` on was sampled exactly ``k`` versions behind. The held-back weights are not
+  mode only) publishes the weights ``k`` versions older instead (the starting weights until there are that many; an
+  update that made no step, e.g. a batch of equal rewards, makes no new version), so once ``k`` versions exist
+  every batch was sampled exactly ``k`` versions behind. The held-back weights are not
   checkpointed: a resumed run starts its lag again from the resumed weights.
 * :mod:`.loop_state` checkpoints the loop with the learner, and on resume reconciles the run's JSONL files with the
   checkpoint (rows of rolled-back updates are marked).
@@ -241,7 +242,8 @@ class Trainer:
         """The samplers' next weights: the learner's, or with ``loop.fixed_lag`` those ``fixed_lag`` updates older."""
         weights = (self.learner.export_weights(), self.learner.policy_version)
         if self.cfg.fixed_lag:  # only then are old copies kept: a large model's exported weights are not small
-            self._held_back.append(weights)
+            if not self._held_back or self._held_back[-1][1] != weights[1]:  # a skipped step made no new version
+                self._held_back.append(weights)
             weights = self._held_back[0]
         self._backend.publish(*weights)
 
