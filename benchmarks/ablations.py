@@ -95,9 +95,8 @@ def run_one(args, variant: str, seed: int, model_dir: str) -> dict:
     cfg = load_config("demo", [], run_overrides(args, variant, seed, model_dir, run_dir))
     t0 = time.perf_counter()
     res = run(cfg, progress=False, echo=lambda *_: None)
-    out = {"variant": variant, "seed": seed, "wall_s": time.perf_counter() - t0, "run_dir": str(run_dir),
-           "overrides": VARIANTS[variant], **outcome(res, args.lag)}
-    return out
+    return {"variant": variant, "seed": seed, "wall_s": time.perf_counter() - t0, "run_dir": str(run_dir),
+            "overrides": [s.format(lag=args.lag) for s in VARIANTS[variant]], **outcome(res, args.lag)}
 
 
 def warm_start_once(args, root: Path) -> str:
