@@ -348,6 +348,24 @@ def test_sync_grpo_waits_for_whole_groups(tiny, tmp_path):
     assert sum(1 for t in used) == 8
 
 
+def test_fixed_lag_samples_every_batch_exactly_k_versions_behind(tiny):
+    """The benchmarks' lag harness: with loop.fixed_lag=2 the samplers hold the weights of two updates ago, so
+    update u trains on tokens sampled by version max(0, u - 3) while the learner is at u - 1."""
+    learner = make_learner(tiny)
+    seen = []
+    tr, s = run(cfg(mode="sync_grpo", batch_size=4, group_size=1, total_updates=5, fixed_lag=2), tiny, learner,
+                on_update=seen.append)
+    assert [m["lag_max"] for m in seen] == [0, 1, 2, 2, 2] and [m["lag_mean"] for m in seen] == [0, 1, 2, 2, 2]
+    assert tr.local_policy().policy_version == 3  # after update 5 it was given the weights of update 3
+    books_balance(s)
+    with pytest.raises(ValueError, match="sync_grpo"):
+        LoopConfig(fixed_lag=2)
+    from agentenv.core.config import load_config
+
+    with pytest.raises(ValueError, match="eval.at_end"):  # a mid-run evaluation would hand the sampler new weights
+        load_config("demo", [], ["loop.mode=sync_grpo", "loop.fixed_lag=2", "eval.every=5"])
+
+
 class _CloseCountingEnv(gym.Wrapper):
     def __init__(self, env):
         super().__init__(env)

@@ -55,6 +55,42 @@ def test_demo_env_shows_the_same_tools_and_grades_the_demo():
         env.close()
 
 
+def test_easy_questions_are_answered_right_without_the_tool():
+    """The ablations' task family: an easy question is A * 100, so the scripted no-tool guess earns the reward there
+    (the env grades it), while the default demo has no easy question and keeps its question sequence."""
+    import random
+
+    from agentenv.core.config import load_config
+    from agentenv.run.demo import is_heldout
+    from agentenv.run.episodes import env_kwargs
+
+    mixed = demo_tasks(400, seed=7, easy_fraction=0.5)
+    easy = [t for t in mixed if t.type == "multiply_easy"]
+    assert 140 <= len(easy) <= 260 and all(t.question.endswith(" * 100?") for t in easy)
+    held = demo_tasks(50, seed=0, split="heldout", easy_fraction=0.5)
+    assert all(is_heldout(*map(int, t.question[8:-1].split(" * "))) for t in held)
+    assert all(t.type == "multiply" for t in demo_tasks(200, seed=7))
+    pair = [easy[0], next(t for t in mixed if t.type == "multiply")]
+    env = gym.make(ENV_ID, tasks=[t.__dict__ for t in pair], system_prompt=SYSTEM_PROMPT, tool_doc=TOOL_DOC,
+                   backend="subprocess")
+    try:
+        rewards = []
+        for index, task in enumerate(pair):
+            env.reset(options={"task_index": index})
+            _, reward, terminated, _, _ = env.step(scripted_demo(task, False, random.Random(0))[0]["content"])
+            assert terminated
+            rewards.append(reward)
+        assert rewards == [1.0, 0.0]
+    finally:
+        env.close()
+    cfg = load_config("demo", [], ["env.demo_easy_fraction=0.3"])
+    types = {t["type"] for t in env_kwargs(cfg, "heldout")["tasks"]} | {t["type"] for t in env_kwargs(cfg)["tasks"]}
+    assert types == {"multiply", "multiply_easy"}
+    assert {t["type"] for t in env_kwargs(load_config("demo", [], []))["tasks"]} == {"multiply"}
+    with pytest.raises(Exception, match="env.tasks=demo"):
+        load_config("python_tool", [], ["env.demo_easy_fraction=0.3"])
+
+
 def test_tool_fraction_and_wrong_direct_answers(tok):
     demos = demo_trajectories(tok, 40, tool_fraction=0.25, seed=5)
     share = sum(d.num_tool_calls > 0 for d in demos) / len(demos)

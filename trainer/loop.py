@@ -15,6 +15,11 @@ Who does what (each a module of its own; this one only connects them):
   crash handling go on while it computes; its new weights are published to every sampler (swapped between turns).
 * :func:`agentenv.core.metrics.update_record` builds the one per-update record; the sink
   (:class:`agentenv.core.metrics.MetricsLogger`) writes ``metrics.jsonl`` / TensorBoard / the ``[update N]`` line.
+* Samplers get the learner's newest weights after each update; ``loop.fixed_lag = k`` (a benchmark harness, sync
+  mode only) publishes the weights ``k`` versions older instead (the starting weights until there are that many; an
+  update that made no step, e.g. a batch of equal rewards, makes no new version), so once ``k`` versions exist
+  every batch was sampled exactly ``k`` versions behind. The held-back weights are not
+  checkpointed: a resumed run starts its lag again from the resumed weights.
 * :mod:`.loop_state` checkpoints the loop with the learner, and on resume reconciles the run's JSONL files with the
   checkpoint (rows of rolled-back updates are marked).
 
@@ -38,6 +43,7 @@ import logging
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -91,6 +97,7 @@ class Trainer:
         self.interrupted = False  # stopped by SIGINT (Ctrl-C) before total_updates
         self._stop = threading.Event()
         self._backend = None
+        self._held_back: deque = deque(maxlen=loop.fixed_lag + 1)  # (weights, version), oldest first
         self._writer: JsonlWriter | None = None
         self._rows_resumed: dict | None = None
         self._t_learner = self._t0 = self._t_end = self._last_update_end = 0.0
@@ -127,7 +134,7 @@ class Trainer:
             self._open_outputs()
             self._backend = make_backend(cfg, self.launch, self.rollout, self.make_env, self.make_policy)
             self.components = self._backend.components()
-            self._backend.publish(self.learner.export_weights(), self.learner.policy_version)
+            self._publish()
             self._t0 = self._last_update_end = time.perf_counter()
             log.info("run start mode=%s backend=%s step=%d version=%d B=%d Q=%d workers=%d concurrency=%d",
                      cfg.mode, cfg.backend, self.step, self.learner.policy_version, cfg.batch_size, cfg.queue_size,
@@ -225,9 +232,18 @@ class Trainer:
             if self.sleep_samplers:
                 self._backend.wake_up()
         t1 = time.perf_counter()
-        self._backend.publish(self.learner.export_weights(), self.learner.policy_version)
+        self._publish()
         t2 = time.perf_counter()
         return _Update(batch, version, stats, t1 - t0, t2 - t1, wait_s)
+
+    def _publish(self) -> None:
+        """The samplers' next weights: the learner's, or with ``loop.fixed_lag`` those ``fixed_lag`` updates older."""
+        weights = (self.learner.export_weights(), self.learner.policy_version)
+        if self.cfg.fixed_lag:  # only then are old copies kept: a large model's exported weights are not small
+            if not self._held_back or self._held_back[-1][1] != weights[1]:  # a skipped step made no new version
+                self._held_back.append(weights)
+            weights = self._held_back[0]
+        self._backend.publish(*weights)
 
     def _finish_update(self, u: _Update) -> None:
         self.step += 1

@@ -40,6 +40,15 @@ class EnvConfig(_Section):
     train_split: Optional[str] = None  # for envs with splits (alfworld: train)
     tasks: Literal["env", "demo"] = "env"  # "demo": the built-in multiplication task set of agentenv.run.demo
     num_tasks: int = Field(256, ge=1)  # prompts per epoch (task_index 0..n-1, or seeds for envs without tasks)
+    # tasks=demo only: this share of the questions is asked as "A * 100", which the no-tool guess answers right (the
+    # ablations' task family: answering without the tool is sometimes rewarded); 0 = the demo itself
+    demo_easy_fraction: float = Field(0.0, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _demo_only(self):
+        if self.demo_easy_fraction and self.tasks != "demo":
+            raise ValueError("demo_easy_fraction shapes the demo's question set: it needs env.tasks=demo")
+        return self
 
 
 class ModelConfig(_Section):
@@ -101,9 +110,16 @@ class LoopConfig(_Section):
     restart_workers: bool = True  # replace a crashed rollout worker (else run on with fewer)
     poll_interval_s: float = Field(0.02, gt=0)  # how long the loop waits for worker events per iteration
     seed: int = 0  # prompt order
+    # a benchmark harness, not a training setting: samplers hold the weights exactly this many versions behind the
+    # learner (the starting weights until then), so the trust gate and importance sampling meet a known lag;
+    # needs mode=sync_grpo, whose barrier keeps one weight version per batch. 0 = the latest weights.
+    fixed_lag: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _groups(self):
+        if self.fixed_lag and self.mode != "sync_grpo":
+            raise ValueError(f"fixed_lag={self.fixed_lag} needs loop.mode=sync_grpo (async batches mix versions, so "
+                             "their lag is not fixed)")
         if self.mode == "sync_grpo" and self.batch_size % self.group_size:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of group_size {self.group_size}")
         if self.mode == "async" and self.group_size != 1:
@@ -236,6 +252,9 @@ class RunConfig(_Section):
         if self.eval.samplers > 1 and self.model.backend != "hf":
             raise ValueError(f"eval.samplers={self.eval.samplers} copies the transformers sampler (model.backend=hf); "
                              f"a {self.model.backend} engine batches an evaluation on its own: set eval.samplers=1")
+        if self.loop.fixed_lag and self.eval.every:
+            raise ValueError("loop.fixed_lag with eval.every: a mid-run evaluation loads the learner's current weights "
+                             "into the lagged sampler; evaluate at the end (eval.at_end) instead")
         if isinstance(self.eval.samples, dict):
             missing = [s for s in (self.eval.splits or ["train_tasks"]) if s not in self.eval.samples]
             if missing:

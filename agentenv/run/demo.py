@@ -9,6 +9,9 @@ Contract:
   RL tasks and SFT demos are drawn only from the ``"train"`` side, the demo's evaluation and the SFT report's
   held-out NLL only from the ``"heldout"`` side, so no evaluated question was ever trained on, whatever the seeds
   and counts.
+  ``easy_fraction`` (default 0, the demo itself) asks that share of the questions as ``A * 100`` instead (task type
+  ``multiply_easy``): there the no-tool guess is right, so answering without the tool is sometimes rewarded -- the
+  ablations' task family, on which a policy can give the tool up (``env.demo_easy_fraction``).
 * :func:`scripted_demo` -- the messages of one demonstration: with the tool (call python, then copy its output into
   ``\\boxed{}``) or without (answer at once with a rough but always wrong guess: ``A * 100``). :func:`demo_trajectories` builds ``n`` of them with a given tool share through
   :func:`agentenv.run.sft.trajectory_from_messages`, i.e. through the same ChatSequence the runtime uses.
@@ -45,18 +48,25 @@ def is_heldout(a: int, b: int) -> bool:
     return hashlib.sha256(f"{a}*{b}".encode()).digest()[0] < 32  # 1 in 8
 
 
-def demo_tasks(n: int, seed: int = 0, split: str = "train") -> list[Task]:
-    """``n`` distinct questions of ``split`` ("train": RL tasks and SFT demos; "heldout": evaluation only)."""
+def demo_tasks(n: int, seed: int = 0, split: str = "train", easy_fraction: float = 0.0) -> list[Task]:
+    """``n`` distinct questions of ``split`` ("train": RL tasks and SFT demos; "heldout": evaluation only), a share
+    ``easy_fraction`` of them (in expectation) easy ones, ``A * 100``."""
     if split not in SPLITS:
         raise ValueError(f"the demo's tasks have splits {SPLITS}, not {split!r}")
+    if not 0.0 <= easy_fraction <= 1.0:
+        raise ValueError(f"easy_fraction must be in [0, 1], got {easy_fraction}")
     r = random.Random(seed)
     out, seen = [], set()
     while len(out) < n:
-        a, b = r.randrange(3000, 10000), r.randrange(34, 100)
+        a = r.randrange(3000, 10000)
+        # the easy draw only when asked for, so the default demo's question sequence stays what it was
+        easy = bool(easy_fraction) and r.random() < easy_fraction
+        b = 100 if easy else r.randrange(34, 100)
         if is_heldout(a, b) != (split == "heldout") or (a, b) in seen:
             continue
         seen.add((a, b))
-        out.append(Task(f"What is {a} * {b}?", str(a * b), id=f"mul-{split}-{seed}-{len(out)}", type="multiply"))
+        out.append(Task(f"What is {a} * {b}?", str(a * b), id=f"mul-{split}-{seed}-{len(out)}",
+                        type="multiply_easy" if easy else "multiply"))
     return out
 
 

@@ -4,7 +4,7 @@ One function each, used by training, evaluation and ``agentenv rollout`` alike:
 
 * :func:`env_factory(cfg, split)` -> a picklable ``make_env`` (gymnasium id + constructor kwargs; the turn limit and
   split come from the config through :func:`agentenv.envs.spec.make_kwargs`; ``env.tasks: demo`` adds the CPU demo's
-  task set).
+  task set, with ``env.demo_easy_fraction`` of easy questions).
 * :func:`task_list(cfg, split, limit, samples)` -> runtime :class:`~agentenv.core.runtime.EpisodeSpec` objects: one per task the
   env declares (:func:`agentenv.envs.spec.task_options`), or seeds ``0..env.num_tasks-1`` for an env without a task
   list. For training, an env with more tasks than ``env.num_tasks`` contributes a seeded subset of that size.
@@ -26,8 +26,11 @@ def env_kwargs(cfg: RunConfig, split: str | None = None) -> dict:
     if cfg.env.tasks == "demo":  # the demo's split picks its task set (demo.is_heldout); the env itself has none
         from agentenv.run import demo
 
-        tasks = (demo.demo_tasks(cfg.env.num_tasks, seed=cfg.loop.seed) if split in (None, "train") else
-                 demo.demo_tasks(cfg.eval.episodes or cfg.env.num_tasks, seed=demo.HELDOUT_SEED, split=split))
+        easy = cfg.env.demo_easy_fraction
+        tasks = (demo.demo_tasks(cfg.env.num_tasks, seed=cfg.loop.seed, easy_fraction=easy)
+                 if split in (None, "train") else
+                 demo.demo_tasks(cfg.eval.episodes or cfg.env.num_tasks, seed=demo.HELDOUT_SEED, split=split,
+                                 easy_fraction=easy))
         kw.setdefault("tasks", [t.__dict__ for t in tasks])
         kw.setdefault("system_prompt", demo.SYSTEM_PROMPT)
         kw.setdefault("tool_doc", demo.TOOL_DOC)
