@@ -219,6 +219,7 @@ class CgroupManager:
         self._count = itertools.count()
         self._lock = threading.Lock()
         self._pending: list[Path] = []  # leaves whose dying tasks had not all left yet
+        self._retry_timer: threading.Timer | None = None
 
     def create(self, memory_bytes: int, max_pids: int, cpus: float) -> Cgroup:
         self._retry_pending()
@@ -261,6 +262,22 @@ class CgroupManager:
                     if e.errno != errno.EBUSY:
                         raise
                     self._pending.append(d)
+            if self._pending and self._retry_timer is None:
+                self._schedule_retry(0.05)
+
+    def _schedule_retry(self, delay: float) -> None:
+        """Killed tasks leave their group within milliseconds: remove it then, even if no sandbox starts again
+        (a long idle trainer, or a pool that was closed), backing off up to ~5 s, then leaving it to exit."""
+        def retry():
+            self._retry_pending()  # remove() sees this timer still set and schedules no other
+            with self._lock:
+                self._retry_timer = None
+                if self._pending and delay < 5:
+                    self._schedule_retry(delay * 2)
+
+        self._retry_timer = threading.Timer(delay, retry)
+        self._retry_timer.daemon = True
+        self._retry_timer.start()
 
     def _retry_pending(self) -> None:
         with self._lock:
