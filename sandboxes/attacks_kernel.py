@@ -7,8 +7,9 @@ What they pin down, precisely:
 * the machine-wide Linux AIO pool cannot be reserved (``io_setup`` is denied);
 * host configuration kept under ``/usr`` (``/usr/local/etc``, ``/usr/etc``) is not mounted;
 * no process can read the memory of a host process, nor of a process of another sandbox (invisible in its PID
-  namespace) nor of the sandbox's root-owned init, through ``/proc/<pid>/mem``; a process *may* read its own
-  children's memory there (same uid, as anywhere on Linux: one sandbox is one trust domain);
+  namespace) nor of a sandbox's root-owned init (bubblewrap's), through ``/proc/<pid>/mem``; a process *may*
+  read the memory of its own sandbox's processes of its uid there (its children, docker's init), as anywhere on
+  Linux: one sandbox is one trust domain;
 * a session call ends only when its cell has: a forged end-of-cell marker does not end it early, and nothing a
   cell leaves behind -- a signal handler on a timer, a thread, a child -- gets CPU between two calls.
 
@@ -70,6 +71,11 @@ for d in ("/usr/local/etc", "/usr/local", "/usr/etc"):
 import os
 for pid in ($bystander_pid, 1):
     try:
+        with open("/proc/%d/status" % pid) as st:
+            uid = int([line for line in st if line.startswith("Uid:")][0].split()[1])
+        if uid == os.getuid():  # this sandbox's own init (docker's runs as our uid): one trust domain
+            print("skipped pid", pid, "of this sandbox's own uid")
+            continue
         with open("/proc/%d/maps" % pid) as m:
             start = int(m.readline().split("-")[0], 16)
         with open("/proc/%d/mem" % pid, "rb") as f:
