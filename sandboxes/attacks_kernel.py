@@ -90,7 +90,9 @@ for pid in ($bystander_pid, 1):
     Attack("forged_marker", "a session call ends only when its cell has (a forged end-of-cell marker)", """
 import resource, sys, time
 runner = sys._getframe(1).f_locals
-runner["write"](1, b"\\0\\x1eAE" + runner["nonce"] + b":0:\\0")
+tag = b"\\0\\x1eAE" + runner["nonce"]
+runner["write_err"](2, tag + b"\\0")  # the stderr marker too, for a backend that waits for both (docker)
+runner["write"](1, tag + b":0:\\0")
 resource.setrlimit(resource.RLIMIT_CPU, (100, resource.RLIM_INFINITY))
 end = time.monotonic() + 0.6
 while time.monotonic() < end:
@@ -98,6 +100,7 @@ while time.monotonic() < end:
     t = time.monotonic() + 0.02
     while time.monotonic() < t:
         pass
+print("CELL DONE")
 """, session=True),
     Attack("alarm_between_cells", "no CPU between session cells for a signal handler on a timer", """
 import signal, time
