@@ -4,6 +4,8 @@ Contract (on top of :class:`~agentenv.envs.tool_env.ToolEnv`):
 
 * One tool, ``python(code: str)``. The code runs in :mod:`agentenv.sandboxes` (``backend`` = ``"bubblewrap"`` by
   default, ``"docker"`` or ``"subprocess"``; ``limits`` = a :class:`~agentenv.sandboxes.Limits`).
+  ``require_isolation=True`` refuses to make the env (and fails preflight) unless namespaces, the seccomp filter
+  and cgroups are all active; otherwise a missing layer costs only a loud warning.
 * STATE PERSISTS WITHIN AN EPISODE (``persistent=True``, the default): all calls of one episode run in one sandboxed
   interpreter session, so variables, imports and functions defined in call 1 exist in call 2 -- as in a notebook.
   The session is started lazily at the first call and closed when the episode ends (final answer or turn limit),
@@ -179,13 +181,21 @@ class PythonToolEnv(ToolEnv):
     metadata = {**ToolEnv.metadata, "agentenv": {"preset": "python_tool"}}
 
     @classmethod
-    def preflight(cls, *, splits=(), backend: str = "bubblewrap", tasks: Any = None, **_) -> list:
-        """The sandbox backend the tool runs in, and a task file when one is configured."""
+    def preflight(cls, *, splits=(), backend: str = "bubblewrap", tasks: Any = None, require_isolation: bool = False,
+                  **_) -> list:
+        """The sandbox backend the tool runs in, its isolation layers if required, and a task file when one is
+        configured."""
         import shutil
 
         from agentenv.envs.spec import Check
 
         out = []
+        if require_isolation and backend in ("bubblewrap", "subprocess"):
+            from agentenv.sandboxes import isolation_gaps
+
+            gaps = isolation_gaps(backend)
+            out.append(Check("sandbox isolation", not gaps, "namespaces, seccomp, cgroups" if not gaps else
+                             "require_isolation: missing " + "; ".join(gaps)))
         if backend == "bubblewrap":
             path = shutil.which("bwrap")
             out.append(Check("sandbox bubblewrap", path is not None, path or "bwrap not found: apt-get install "
@@ -212,6 +222,7 @@ class PythonToolEnv(ToolEnv):
         task_seed: int = 0,
         backend: str = "bubblewrap",
         limits: Any = None,
+        require_isolation: bool = False,
         persistent: bool = True,
         message_timeout_s: float | None = None,
         max_turns: int = 10,
@@ -233,7 +244,7 @@ class PythonToolEnv(ToolEnv):
             raise ValueError(f"message_timeout_s must be a positive number of seconds, got {message_timeout_s!r}")
         self.message_timeout_s = float(message_timeout_s)
         self._message_deadline = math.inf
-        self.sandbox = make_sandbox(backend, limits=self.limits)
+        self.sandbox = make_sandbox(backend, limits=self.limits, require_isolation=require_isolation)
         state = ("Variables, imports and functions persist across calls within this conversation."
                  if persistent else "Each call starts a fresh interpreter: nothing carries over between calls.")
         # tool_doc replaces the tool's description (e.g. a terse one to keep a tiny model's prompt short).

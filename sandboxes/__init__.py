@@ -13,9 +13,9 @@ Backends: ``bubblewrap`` (default; :mod:`.bubblewrap`), ``docker`` (:mod:`.docke
 from __future__ import annotations
 
 from agentenv.sandboxes.base import Sandbox, Session
-from agentenv.sandboxes.factory import BACKENDS, available_backends, backend_status, make_sandbox
+from agentenv.sandboxes.factory import BACKENDS, available_backends, backend_status, isolation_gaps, make_sandbox
 from agentenv.sandboxes.limits import ExecResult, Limits
 from agentenv.sandboxes.pool import SandboxPool
 
 __all__ = ["BACKENDS", "ExecResult", "Limits", "Sandbox", "SandboxPool", "Session", "available_backends",
-           "backend_status", "make_sandbox"]
+           "backend_status", "isolation_gaps", "make_sandbox"]

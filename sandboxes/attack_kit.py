@@ -9,8 +9,8 @@ its uid or with its marker is left afterwards. ``$name`` placeholders are filled
 
 A *session* attack (``session=True``) runs its code as one cell of a session, lets ``IDLE_S`` pass, then runs
 ``then`` as the next cell. Lines ``BEAT <time.monotonic()>`` that the hostile code prints whenever it gets CPU
-(they wait in the pipe if no call is reading) prove it ran between the two calls, or after the first call had
-already returned, when their time falls in that gap.
+(they wait in the pipe if no call is reading) prove it ran between the two calls when their time falls in that
+gap; a first cell whose ``CELL DONE`` line arrives only with the second call had its call end before it did.
 """
 
 from __future__ import annotations
@@ -203,8 +203,9 @@ def _beats(text: str) -> list[float]:
 
 
 def _run_session(sandbox, attack: Attack, target: Target, limits: Limits, marker: str):
-    """Two cells IDLE_S apart; the hostile code's BEATs must all fall inside a call, and none printed by the first
-    cell may arrive only with the second call."""
+    """Two cells IDLE_S apart; none of the hostile code's BEATs may fall between the first call's return and the
+    second call's start (a beat printed during the first call may still arrive with the second: that is output,
+    not CPU)."""
     with sandbox.session(limits) as s:
         r = s.run(target.code(attack, limits, marker), limits)
         returned = time.monotonic()
@@ -212,12 +213,11 @@ def _run_session(sandbox, attack: Attack, target: Target, limits: Limits, marker
         resumed = time.monotonic()
         r2 = s.run(target.code(attack, limits, marker, attack.then or "pass"), limits)
     problems = []
+    if "CELL DONE" in r2.stdout and "CELL DONE" not in r.stdout:
+        problems.append("ESCAPED the first call returned before its cell had finished")
     between = [b for b in _beats(r.stdout + r2.stdout) if returned < b < resumed]
     if between:
         problems.append(f"ESCAPED computed between cells ({len(between)} beats in the {IDLE_S:.1f} s gap)")
-    late = [b for b in _beats(r2.stdout) if b < resumed]
-    if late:
-        problems.append(f"ESCAPED the first call returned while its cell still ran ({len(late)} later beats)")
     _append(r, r2)
     return r, problems
 

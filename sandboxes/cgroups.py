@@ -203,12 +203,18 @@ class Cgroup:
             return False
         self.kill()
         oom = self.new_oom_kill()
+        self.release()
+        self.manager.remove(list(dict.fromkeys(self.dirs.values())))
+        return oom
+
+    def release(self) -> None:
+        """Stop using the group without touching its tasks (a group someone else owns, e.g. a container's)."""
+        if self.destroyed:
+            return
         self.destroyed = True
         for fd in (self._oom_fd, self._tasks_fd, self._state_fd):
             if fd is not None:
                 os.close(fd)
-        self.manager.remove(list(dict.fromkeys(self.dirs.values())))
-        return oom
 
 
 class CgroupManager:
@@ -219,6 +225,7 @@ class CgroupManager:
         self._count = itertools.count()
         self._lock = threading.Lock()
         self._pending: list[Path] = []  # leaves whose dying tasks had not all left yet
+        self._retry_timer: threading.Timer | None = None
 
     def create(self, memory_bytes: int, max_pids: int, cpus: float) -> Cgroup:
         self._retry_pending()
@@ -261,6 +268,22 @@ class CgroupManager:
                     if e.errno != errno.EBUSY:
                         raise
                     self._pending.append(d)
+            if self._pending and self._retry_timer is None:
+                self._schedule_retry(0.05)
+
+    def _schedule_retry(self, delay: float) -> None:
+        """Killed tasks leave their group within milliseconds: remove it then, even if no sandbox starts again
+        (a long idle trainer, or a pool that was closed), backing off up to ~5 s, then leaving it to exit."""
+        def retry():
+            self._retry_pending()  # remove() sees this timer still set and schedules no other
+            with self._lock:
+                self._retry_timer = None
+                if self._pending and delay < 5:
+                    self._schedule_retry(delay * 2)
+
+        self._retry_timer = threading.Timer(delay, retry)
+        self._retry_timer.daemon = True
+        self._retry_timer.start()
 
     def _retry_pending(self) -> None:
         with self._lock:
@@ -272,6 +295,21 @@ class CgroupManager:
         """At exit: kill what is left in every leaf, then remove the leaves and the parents (a leaf whose tasks
         are still dying after ``wait_s`` stays behind, empty soon, for the next start or the admin)."""
         reaper.reap(list(dict.fromkeys(self.parents.values())), wait_s)
+
+
+def of_process(pid: int) -> Cgroup | None:
+    """A view of the cgroup that holds ``pid`` (e.g. a container's init), to freeze and thaw; its owner (the
+    container engine) removes it: use :meth:`Cgroup.release`, never :meth:`Cgroup.destroy`. None if not found."""
+    try:
+        own = _own_paths(Path(f"/proc/{pid}/cgroup").read_text())
+        v1, v2 = _mounts()
+        if all(c in v1 and c in own for c in ("memory", "pids", "freezer")):
+            return Cgroup(CgroupManager(1, {}), {c: _under(v1[c], own[c]) for c in ("memory", "pids", "freezer")})
+        if v2 is not None and "" in own:
+            return Cgroup(CgroupManager(2, {}), {"memory": _under(v2, own[""])})
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _make_parent(path: Path) -> Path:

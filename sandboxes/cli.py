@@ -4,7 +4,8 @@
 handler, which takes the parsed args and returns the process exit status. ``main(argv)`` is the stand-alone entry
 (``python -m agentenv.sandboxes.cli ...``).
 
-* ``sandbox run [--backend B] [--timeout S] [--memory-mb M] FILE.py`` prints exactly one JSON object on stdout:
+* ``sandbox run [--backend B] [--timeout S] [--memory-mb M] [--require-isolation] FILE.py`` prints exactly one
+  JSON object on stdout:
   :meth:`ExecResult.to_dict` (stdout, stderr, exit_code, the limit flags, wall_time_s, ok). Exit status 0 whenever
   the file was run (whatever it did), 2 for bad input or an unusable backend.
 * ``sandbox check [--backend B] [--json]`` runs every attack of :mod:`agentenv.sandboxes.attacks` and lists, per
@@ -29,6 +30,8 @@ def add_subcommands(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=Limits.timeout_s, metavar="S", help="wall-clock seconds")
     r.add_argument("--memory-mb", type=int, default=Limits.memory_mb, metavar="M",
                    help="memory: address space per process, and the whole sandbox's where it has a cgroup")
+    r.add_argument("--require-isolation", action="store_true",
+                   help="refuse to run unless namespaces, seccomp and cgroups are all active")
     r.add_argument("file", metavar="FILE.py")
     r.set_defaults(func=cmd_run)
     c = sub.add_parser("check", help="attack the sandbox with hostile code and list which guarantees hold")
@@ -51,7 +54,7 @@ def cmd_run(args) -> int:
         return _fail(f"cannot read {args.file}: {e}")
     try:
         limits = Limits(timeout_s=args.timeout, cpu_s=args.timeout, memory_mb=args.memory_mb)
-        sandbox = make_sandbox(args.backend, limits=limits)
+        sandbox = make_sandbox(args.backend, limits=limits, require_isolation=args.require_isolation)
     except (ValueError, RuntimeError) as e:
         return _fail(str(e))
     with sandbox:

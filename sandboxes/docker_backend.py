@@ -19,6 +19,8 @@ from the host's interpreter), else ``python:3.11-slim`` (which the engine then p
 Code and output travel over one attach socket (Docker multiplexes stdout/stderr in 8-byte-header frames, decoded
 by :func:`demux`). Killing = ``remove(force=True)``, which takes every process in the container with it.
 Containers carry the label ``agentenv.sandbox=1`` so leftovers from a crashed host can be found and removed.
+A session's container is frozen after every cell through its own cgroup (found from its init's pid; where the host
+cannot reach it, nothing is frozen), so what a cell leaves running gets CPU only inside later calls.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import select
 import socket
 import struct
 
+from agentenv.sandboxes import cgroups
 from agentenv.sandboxes.base import RUNNER_SOURCE, Sandbox, runner_args
 from agentenv.sandboxes.seccomp_filter import docker_profile
 from agentenv.sandboxes.limits import Limits
@@ -86,13 +89,17 @@ def container_config(image: str, python: str, mode: str, limits: Limits, cpus: f
 class DockerProc:
     """A started container behind the PipeProc interface (rfds/wfd/read/write/wait/kill/oom_killed)."""
 
-    def __init__(self, client, config: dict):
+    def __init__(self, client, config: dict, session: bool = False):
         self.container = client.containers.create(**config)
+        self.cgroup = None
         try:
             sock = self.container.attach_socket(params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
             self.sock = getattr(sock, "_sock", sock)  # the SDK wraps the hijacked HTTP socket
             self.sock.setblocking(False)
             self.container.start()
+            if session:  # the container's own cgroup, frozen between cells (where this host can reach it)
+                self.container.reload()
+                self.cgroup = cgroups.of_process(self.container.attrs["State"]["Pid"])
         except BaseException:
             self.container.remove(force=True)
             raise
@@ -129,10 +136,28 @@ class DockerProc:
         except Exception:  # the SDK raises requests' timeout/connection errors here
             return None
 
+    def at_rest(self) -> bool:
+        """End of a session cell: freeze the container, so nothing a cell left behind gets CPU until the next
+        cell. Unlike bubblewrap there is no proof that the runner is back at its read (a cell that forges both
+        markers ends its call early, then runs only inside later calls)."""
+        if self.cgroup is not None and not self.cgroup.destroyed:
+            self.cgroup.freeze()
+        return True
+
+    def thaw(self) -> None:
+        if self.cgroup is not None and not self.cgroup.destroyed:
+            self.cgroup.thaw()
+
     def kill(self):
         if self._gone:
             return
         self._gone = True
+        if self.cgroup is not None:
+            try:
+                self.cgroup.thaw()  # a frozen task acts on SIGKILL only once thawed (cgroup v1)
+            except OSError:
+                pass
+            self.cgroup.release()
         # Close our end of the attach stream first: an engine still copying a flood of output into a socket nobody
         # reads would otherwise hold the container's removal until the client's timeout.
         try:
@@ -173,4 +198,5 @@ class DockerSandbox(Sandbox):
         self.python, self.cpus, self.user = python, cpus, user
 
     def _start(self, mode: str, limits: Limits) -> DockerProc:
-        return DockerProc(self.client, container_config(self.image, self.python, mode, limits, self.cpus, self.user))
+        return DockerProc(self.client, container_config(self.image, self.python, mode, limits, self.cpus, self.user),
+                          session=mode == "session")
