@@ -19,8 +19,10 @@
   requests on a :class:`Batcher`, which runs one batched ``policy.generate`` over whatever requests are waiting and
   hands each episode its result as soon as the batch returns; each episode then steps its own env at once. There is
   no barrier across episodes: a slow env step delays only its own episode.
-* Non-LLM :class:`agentenv.core.policy.TextPolicy` policies (scripted experts) run through the same loop and produce
-  trajectories with messages and outcomes but empty token fields.
+* Non-LLM :class:`agentenv.core.policy.TextPolicy` policies (scripted experts, a served model behind an endpoint) run
+  through the same loop and produce trajectories with messages and outcomes but empty token fields. Every turn's
+  ``info`` carries the reset's ``tools``; a :class:`~agentenv.core.policy.CutText` reply ends the episode as
+  ``max_new_tokens``.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ Contract (one object per trajectory):
   ``num_tool_calls``), ``tool_calls_by_name`` / ``tool_errors_by_name`` (``{tool name: count}``),
   ``num_invalid_actions``,
   ``messages`` (the human-readable chat), ``tools`` (schemas shown to the model), ``sampling`` (temperature, top_p,
-  top_k, max_new_tokens, and ``backend``: the sampler that drew the tokens -- ``"hf"``, ``"vllm"`` or ``"text"`` for
-  non-LLM policies), ``model`` and ``model_path``, ``env``, ``task``, ``task_type``, ``segments`` (start offsets of
+  top_k, max_new_tokens, and ``backend``: the sampler that drew the tokens -- ``"hf"``, ``"vllm"``, ``"endpoint"``
+  (a served model, text only) or ``"text"`` for non-LLM policies), ``model`` and ``model_path``, ``env``, ``task``, ``task_type``, ``segments`` (start offsets of
   token segments; more than one only where a chat template was not append-only and a new segment was started).
 
 All four per-token lists have the same length. Text-policy trajectories (scripted experts) have empty token lists.
