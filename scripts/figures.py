@@ -103,6 +103,16 @@ def demo_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def write_readme_block(name: str, lines: list[str]) -> None:
+    """Replace what sits between ``<!-- figures:NAME ... -->`` and ``<!-- /figures:NAME -->`` in the README."""
+    path = ROOT / "README.md"
+    text = path.read_text()
+    start = text.index(f"<!-- figures:{name}")
+    start = text.index("-->", start) + len("-->")
+    end = text.index(f"<!-- /figures:{name} -->", start)
+    path.write_text(text[:start] + "\n" + "\n".join(lines).rstrip() + "\n" + text[end:])
+
+
 def figure_demo(args) -> int:
     root = Path(args.runs) / "demo"
     root.mkdir(parents=True, exist_ok=True)
@@ -124,6 +134,10 @@ def figure_demo(args) -> int:
         text += [args.note, ""]
     out = Path(args.out or ROOT / "docs" / "demo.md")
     out.write_text("\n".join(text))
+    if args.readme:
+        write_readme_block("demo", [f"Measured by `scripts/figures.py` ({stamp()}; details in [docs/demo.md](docs/demo.md)), "
+                                    "held-out success [95% Wilson interval] / tool-call rate:", "",
+                                    *demo_table(rows)[:-2], "", *( [args.note_short] if args.note_short else [])])
     print("\n".join(text))
     print(f"figures: wrote {out}")
     return 0
@@ -138,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--no-run", action="store_true", help="only read finished runs")
     d.add_argument("--out", default=None, help="where to write the table (default docs/demo.md)")
     d.add_argument("--note", default="", help="a line to print under the table (e.g. how loaded the machine was)")
+    d.add_argument("--note-short", default="", help="the README's line under its copy of the table")
+    d.add_argument("--no-readme", dest="readme", action="store_false", help="leave the README's table alone")
     d.add_argument("--set", dest="extra", action="append", default=[], type=lambda kv: f"--set={kv}",
                    help="an extra --set for every run")
     args = p.parse_args(argv)
