@@ -136,7 +136,7 @@ def figure_demo(args) -> int:
     out = Path(args.out or ROOT / "docs" / "demo.md")
     out.write_text("\n".join(text))
     if args.readme:
-        write_readme_block("demo", [f"Measured by `scripts/figures.py` ({stamp()}; details in [docs/demo.md](docs/demo.md)), "
+        write_readme_block("demo", [f"Measured by `scripts/figures.py` ({st}; details in [docs/demo.md](docs/demo.md)), "
                                     "held-out success [95% Wilson interval] / tool-call rate:", "",
                                     *demo_table(rows)[:-2], "", *( [args.note_short] if args.note_short else [])])
     print("\n".join(text))
