@@ -297,7 +297,7 @@ def test_evaluation_on_two_samplers_plays_what_one_plays(chatty_policy):
     are restored."""
     from agentenv.core.config import ConfigError, load_config
     from agentenv.run.evaluation import _play, evaluate
-    from agentenv.core.runtime import mix_seed
+    from agentenv.core.turns import mix_seed
 
     def cfg(samplers):
         return load_config("text_env", overrides=[

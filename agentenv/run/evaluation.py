@@ -31,7 +31,7 @@ from agentenv.run.episodes import EpisodeSet
 def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | None = None,
              samples: int | None = None, progress: bool = True) -> dict:
     from agentenv.core.metrics import batch_metrics
-    from agentenv.core.runtime import mix_seed
+    from agentenv.core.turns import mix_seed
 
     episodes = EpisodeSet.of(cfg, split, eval=True, limit=limit or cfg.eval.episodes,
                              samples=samples or cfg.eval.samples_for(split))
