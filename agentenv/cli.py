@@ -65,15 +65,11 @@ def build_policy(model: str, env_id: str, *, seed: int = 0, backend: str = "hf")
             raise SystemExit(f"environment {env_id} has no scripted expert; experts exist for: {', '.join(EXPERTS)}")
         module, factory = EXPERTS[env_id].split(":")
         return getattr(importlib.import_module(module), factory)()
-    if backend == "vllm":
-        from agentenv.samplers.models import resolve_model
-        from agentenv.samplers.vllm_policy import VLLMPolicy
+    from agentenv.samplers.factory import sampler_factory
 
-        rm = resolve_model(model)
-        return VLLMPolicy(rm.path, name=rm.name, seed=seed)
-    from agentenv.samplers.models import load_hf_policy
-
-    return load_hf_policy(model, seed=seed)
+    if backend == "vllm":  # one engine in this process, with vLLM's own default memory share
+        return sampler_factory(model, "vllm", seed=seed, gpu_memory_utilization=0.9)(0)
+    return sampler_factory(model, "hf", seed=seed)(0)
 
 
 def cmd_rollout(args) -> int:
@@ -86,7 +82,7 @@ def cmd_rollout(args) -> int:
     from agentenv.core.metrics import batch_metrics
     from agentenv.samplers.models import ModelNotAvailable
     from agentenv.core.policy import SamplingParams
-    from agentenv.core.runtime import EpisodeSpec, RolloutConfig, run_episodes
+    from agentenv.core.runtime import EpisodeSpec, RolloutConfig
     from agentenv.core.trajectory import JsonlWriter
 
     try:
@@ -103,7 +99,7 @@ def cmd_rollout(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     env_kwargs = {**getattr(policy, "env_kwargs", {}), **env_kwargs}  # e.g. the ALFWorld expert needs expert=True
-    tasks = None
+    tasks = [EpisodeSpec(seed=args.seed + i) for i in range(args.episodes)]
     if args.split is not None:  # walk the split's tasks in order, k = ceil(episodes / tasks) samples each
         env = gym.make(env_id, **env_kwargs)
         try:
@@ -112,14 +108,17 @@ def cmd_rollout(args) -> int:
             env.close()
         k = math.ceil(args.episodes / max(1, len(options)))
         tasks = [EpisodeSpec(seed=args.seed + i, options=dict(o), meta={"sample": j})
-                 for i, o in enumerate(options) for j in range(k)][: args.episodes] or None
+                 for i, o in enumerate(options) for j in range(k)][: args.episodes] or tasks
     cfg = RolloutConfig(max_turns=args.max_turns or 1_000_000, max_total_tokens=args.max_total_tokens, concurrency=args.concurrency,
                         sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                                 max_new_tokens=args.max_new_tokens))
+    from agentenv.run.episodes import EpisodeSet
+    from agentenv.trainer.backends import GymEnvFactory
+
+    episodes = EpisodeSet(GymEnvFactory(env_id, env_kwargs), tasks, cfg)
     t0 = time.perf_counter()
     with JsonlWriter(args.out) as writer:
-        trajs = run_episodes(lambda: gym.make(env_id, **env_kwargs), policy, args.episodes, cfg, seed=args.seed,
-                             tasks=tasks, progress=True, on_trajectory=writer.write)
+        trajs = episodes.play(policy, progress=True, on_trajectory=writer.write)
     m = batch_metrics(trajs)
     errors = sum(t.finish_reason in ("env_error", "policy_error", "template_error") for t in trajs)
     print(f"episodes={len(trajs)} success={m['success_rate']:.3f} turns={m['turns_mean']:.2f} "

@@ -116,7 +116,7 @@ def policy_factory(args):
     if args.sampler == "instant":
         return InstantPolicy
     if args.sampler == "hf":
-        from agentenv.trainer.backends import HFPolicyFactory
+        from agentenv.samplers.factory import HFPolicyFactory
 
         return HFPolicyFactory(args.model, seed=0, device="cpu" if args.cpu else None, dtype="float32")
     from agentenv.samplers.vllm_policy import VLLMPolicyFactory

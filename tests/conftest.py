@@ -17,7 +17,7 @@ def qwen_tok():
 
 @pytest.fixture(scope="session")
 def tiny_policy():
-    from agentenv.samplers.models import load_hf_policy
+    from agentenv.samplers.factory import load_hf_policy
 
     return load_hf_policy("tiny", seed=0, device="cpu")
 

@@ -35,7 +35,7 @@ class ShortTurnTinyFactory:
         import copy
 
         from agentenv.samplers.hf_policy import HFPolicy
-        from agentenv.samplers.models import load_hf_policy
+        from agentenv.samplers.factory import load_hf_policy
 
         if self.shared is None:
             pol = load_hf_policy("tiny", seed=worker_index, device="cpu")

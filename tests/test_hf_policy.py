@@ -297,21 +297,21 @@ def test_evaluation_on_two_samplers_plays_what_one_plays(chatty_policy):
     are restored."""
     from agentenv.core.config import ConfigError, load_config
     from agentenv.run.evaluation import _play, evaluate
-    from agentenv.core.runtime import mix_seed
+    from agentenv.core.turns import mix_seed
 
     def cfg(samplers):
         return load_config("text_env", overrides=[
             "env.id=guess", "env.num_tasks=3", "eval.samples=2", "rollout.max_turns=3", "rollout.max_new_tokens=16",
             "rollout.max_total_tokens=400", f"eval.samplers={samplers}"])
 
-    from agentenv.run.episodes import task_list
+    from agentenv.run.episodes import EpisodeSet
 
     def plays(samplers):
-        tasks = task_list(cfg(samplers), None, samples=2)
-        for t in tasks:
+        episodes = EpisodeSet.of(cfg(samplers), None, eval=True, samples=2)
+        for t in episodes.tasks:
             t.sampling_seed = mix_seed(0, None, t.meta["task"], t.meta["sample"])
         return {(t.meta["task"], t.meta["sample"]): t.token_ids
-                for t in _play(cfg(samplers), chatty_policy, None, tasks, progress=False)}
+                for t in _play(cfg(samplers), chatty_policy, episodes, progress=False)}
 
     def asked(policy):  # turns the policy itself was asked to sample
         return policy.prefix_cache.hits + policy.prefix_cache.misses

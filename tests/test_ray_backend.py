@@ -15,7 +15,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'agentenv[ray]')")
 
 from agentenv.core.config import LaunchConfig, LoopConfig
-from agentenv.trainer.backends import GymEnvFactory, HFPolicyFactory
+from agentenv.samplers.factory import HFPolicyFactory
+from agentenv.trainer.backends import GymEnvFactory
 from agentenv.trainer.loop import Trainer
 
 from agentenv.core.policy import SamplingParams

@@ -16,7 +16,8 @@ says which episode starts on which worker, and the backend moves calls and data.
 in-process ``load_weights``. The Ray backend is :class:`agentenv.trainer.ray_backend.RayBackend`.
 
 The factories are picklable (Ray ships them to actors by reference): :class:`GymEnvFactory` (any gymnasium id,
-including gymnasium's ``module:EnvId`` form, which imports ``module`` first) and :class:`HFPolicyFactory`.
+including gymnasium's ``module:EnvId`` form, which imports ``module`` first) and the sampler factories of
+:mod:`agentenv.samplers.factory`.
 """
 
 from __future__ import annotations
@@ -63,21 +64,6 @@ class GymEnvFactory:
         import agentenv  # noqa: F401  (registers agentenv/ envs)
 
         return gym.make(self.env_id, **self.kwargs)
-
-
-@dataclass
-class HFPolicyFactory:
-    """``load_hf_policy(model, seed=seed + worker_index)``: each worker process samples from its own seeded stream."""
-
-    model: str = "tiny"
-    seed: int = 0
-    device: str | None = None
-    dtype: str = "auto"
-
-    def __call__(self, worker_index: int = 0):
-        from agentenv.samplers.models import load_hf_policy
-
-        return load_hf_policy(self.model, seed=self.seed + worker_index, device=self.device, dtype=self.dtype)
 
 
 class LocalBackend:

@@ -58,6 +58,7 @@ from . import loop_state
 from .accounting import Ledger, admitted_mask
 from .backends import make_backend
 from .dispatch import PromptSampler, make_dispatch
+from .throughput import Throughput
 
 log = logging.getLogger("agentenv.trainer.loop")
 
@@ -100,8 +101,7 @@ class Trainer:
         self._held_back: deque = deque(maxlen=loop.fixed_lag + 1)  # (weights, version), oldest first
         self._writer: JsonlWriter | None = None
         self._rows_resumed: dict | None = None
-        self._t_learner = self._t0 = self._t_end = self._last_update_end = 0.0
-        self._step0 = self._consumed = 0
+        self.clock = Throughput()
         if resume:
             self._restore()
 
@@ -135,7 +135,7 @@ class Trainer:
             self._backend = make_backend(cfg, self.launch, self.rollout, self.make_env, self.make_policy)
             self.components = self._backend.components()
             self._publish()
-            self._t0 = self._last_update_end = time.perf_counter()
+            self.clock.start(self.step)
             log.info("run start mode=%s backend=%s step=%d version=%d B=%d Q=%d workers=%d concurrency=%d",
                      cfg.mode, cfg.backend, self.step, self.learner.policy_version, cfg.batch_size, cfg.queue_size,
                      cfg.num_workers, cfg.concurrency)
@@ -159,7 +159,7 @@ class Trainer:
             if pending is not None:  # stop requested mid-update: finish it, then shut down
                 self._finish_update(pending.result())
                 pending = None
-            self._t_end = time.perf_counter()
+            self.clock.stop()
         finally:
             if pending is not None:
                 pending.cancel()
@@ -223,7 +223,7 @@ class Trainer:
     def _learn(self, batch: list[Trajectory]) -> _Update:
         """Learner thread: one update, then publish the new weights."""
         version, t0 = self.learner.policy_version, time.perf_counter()
-        wait_s = max(0.0, t0 - self._last_update_end)
+        wait_s = self.clock.idle_before(t0)
         if self.sleep_samplers:
             self._backend.sleep()  # colocated vLLM: free the KV cache for the learner step
         try:
@@ -247,21 +247,12 @@ class Trainer:
 
     def _finish_update(self, u: _Update) -> None:
         self.step += 1
-        self._t_learner += u.learner_s
-        self._consumed += len(u.batch)
         lags = self.ledger.settle(u.batch, admitted_mask(u.stats, len(u.batch)), self.step, u.version)
-        now = time.perf_counter()
-        elapsed = max(1e-9, now - self._t0)
-        timings = {"traj_per_s": self._consumed / elapsed, "updates_per_s": (self.step - self._step0) / elapsed,
-                   "time_generation_s": sum(t.time_generation_s for t in u.batch),
-                   "time_env_s": sum(t.time_env_s for t in u.batch), "time_learner_s": u.learner_s,
-                   "time_publish_s": u.publish_s, "time_wait_s": u.wait_s,
-                   "learner_busy": self._t_learner / elapsed, "elapsed_s": elapsed}
+        timings = self.clock.update(self.step, u.batch, u.learner_s, u.publish_s, u.wait_s)
         c = self.counters
         rec = update_record(update=self.step, policy_version=self.learner.policy_version, mode=self.cfg.mode,
                             batch=u.batch, lags=lags, learner_stats=u.stats,
                             counters={**c.flat(), "accounting_balance": c.balance()}, timings=timings)
-        self._last_update_end = now
         if c.balance() != 0:
             log.error("accounting does not add up: %s", c.flat())
         if self.metrics is not None:
@@ -302,7 +293,6 @@ class Trainer:
 
     # --- outputs, signals, shutdown -----------------------------------------------------------------------------
     def _open_outputs(self) -> None:
-        self._step0 = self.step
         if self.run_dir is None:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -352,15 +342,14 @@ class Trainer:
                 log.error("final checkpoint failed: %s", e)
         t_close = time.perf_counter()
         info = self._backend.close() if self._backend is not None else {}
-        elapsed = max(1e-9, (self._t_end or t_close) - self._t0) if self._t0 else 0.0
+        rates = self.clock.summary(t_close)
         c = self.counters
         summary = {"updates": self.step, "policy_version": self.learner.policy_version,
                    "stopped_by_user": self.interrupted,
                    **c.flat(),
-                   "accounting_balance": c.balance(), "elapsed_s": elapsed,
+                   "accounting_balance": c.balance(), "elapsed_s": rates["elapsed_s"],
                    "shutdown_s": time.perf_counter() - t_close,
-                   "learner_busy": self._t_learner / elapsed if elapsed else 0.0,
-                   "traj_per_s": self._consumed / elapsed if elapsed else 0.0, **info}
+                   "learner_busy": rates["learner_busy"], "traj_per_s": rates["traj_per_s"], **info}
         log.info("shutdown %s", " ".join(f"{k}={v}" for k, v in summary.items()))
         if self._writer is not None:
             self._writer.close()

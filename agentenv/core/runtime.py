@@ -2,7 +2,8 @@
 
 * :func:`run_episode` plays one episode. The token sequence is a :class:`agentenv.core.chat.ChatSequence`; each turn asks
   the policy for a continuation through ``generate_fn`` (so many episodes can share a batched sampler), appends the
-  sampled tokens verbatim, steps the env with their text, and appends only the observation's template delta.
+  sampled tokens verbatim, steps the env with their text, and appends only the observation's template delta. What
+  differs between a sampler and a text policy is in :mod:`agentenv.core.turns` (a token turn, a text turn).
 * Limits end an episode with a finish reason and keep everything collected so far; every limit is a truncation
   (``truncated=True``, never success): ``max_turns``; ``max_new_tokens`` (a turn that did not emit its end-of-turn
   token); ``context_limit`` (the prompt plus the next turn cannot fit in ``max_total_tokens``: the turn budget is
@@ -27,7 +28,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
@@ -40,9 +40,9 @@ from typing import Callable, Iterable, Iterator
 
 import gymnasium as gym
 
-from agentenv.core.chat import ChatSequence
-from agentenv.core.policy import CutText, Generation, GenerationRequest, SamplingParams
+from agentenv.core.policy import Generation, GenerationRequest, SamplingParams
 from agentenv.core.trajectory import Trajectory
+from agentenv.core.turns import TemplateFailed, TextTurns, TokenTurns
 
 log = logging.getLogger("agentenv.core.runtime")
 
@@ -83,15 +83,17 @@ class EpisodeSpec:
 GenerateFn = Callable[[GenerationRequest], Generation]
 
 
-def mix_seed(*parts) -> int:
-    """A 63-bit seed mixed from ``parts`` (their ``str``): e.g. an eval play's ``(eval seed, split, task, play)``,
-    a turn's ``(sampling_seed, turn)``. Stable across processes and Python versions, unlike ``hash``."""
-    return int.from_bytes(hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()) >> 1
-
-
 def _env_name(env: gym.Env) -> str:
     spec = getattr(env, "spec", None) or getattr(getattr(env, "unwrapped", None), "spec", None)
     return spec.id if spec is not None else type(getattr(env, "unwrapped", env)).__name__
+
+
+class _Failed(Exception):
+    """A call inside the episode raised: the episode ends with ``reason`` and ``cause`` as its error."""
+
+    def __init__(self, reason: str, cause: Exception):
+        super().__init__(reason)
+        self.reason, self.cause = reason, cause
 
 
 def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: EpisodeSpec = EpisodeSpec(),
@@ -115,122 +117,73 @@ def run_episode(env: gym.Env, policy, cfg: RolloutConfig, task: EpisodeSpec = Ep
     traj.tools = info.get("tools") or None
     messages = ([{"role": "system", "content": info["system"]}] if info.get("system") else []) + [{"role": "user", "content": obs}]
 
-    seq = None
-    if not text_policy:
-        seq = ChatSequence(policy.tokenizer, on_rewrite=cfg.on_template_rewrite)
+    if text_policy:
+        turns = TextTurns(policy, messages)
+    else:
+        turns = TokenTurns(policy, cfg, task.sampling_seed, generate_fn)
         try:
-            seq.start(messages, traj.tools)
+            turns.start(messages, traj.tools)
         except Exception as e:  # noqa: BLE001 -- e.g. the template rejects the env's first messages
             traj.messages = [dict(m) for m in messages]
             return _fail(traj, "template_error", e, t_start)
-        traj.segments = seq.segments
-    generate_fn = generate_fn or (lambda req: policy.generate([req])[0])
+        traj.segments = turns.seq.segments
+    try:
+        finish = _play(env, turns, cfg, traj, info)
+    except _Failed as f:
+        turns.sync(traj)
+        return _fail(traj, f.reason, f.cause, t_start)
+    turns.sync(traj)
+    traj.finish_reason = finish
+    traj.wall_time_s = time.perf_counter() - t_start
+    if not text_policy:
+        traj.validate()
+    return traj
 
-    def sync() -> None:
-        if seq is None:
-            traj.messages = [dict(m) for m in messages]
-            return
-        traj.token_ids, traj.action_mask = seq.token_ids, seq.action_mask
-        traj.behavior_logprobs, traj.policy_version = seq.behavior_logprobs, seq.policy_version
-        traj.messages = seq.messages
 
-    finish = None
-    generated = 0  # sampled tokens so far, for max_generated_tokens
-    while finish is None:
+def _play(env: gym.Env, turns: TextTurns | TokenTurns, cfg: RolloutConfig, traj: Trajectory, info: dict) -> str:
+    """Policy turn, env turn, until the episode ends: its finish reason. A limit sets ``truncated``; a call that
+    raises becomes :class:`_Failed`."""
+    while True:
         if traj.num_turns >= cfg.max_turns:
-            traj.truncated, finish = True, "max_turns"
-            break
-        # --- the policy's turn ----------------------------------------------------------------------------------
+            traj.truncated = True
+            return "max_turns"
         t0 = time.perf_counter()
         try:
-            if seq is None:
-                # the reset's tool schemas on every turn: a text policy that forwards them (an endpoint) needs them
-                action = policy.act([dict(m) for m in messages], {**info, "tools": traj.tools} if traj.tools else info)
-                messages.append({"role": "assistant", "content": str(action)})
-            else:
-                limits = _turn_limits(cfg, len(seq), generated)
-                if min(limits.values()) < 1:
-                    traj.truncated, finish = True, _binding(limits)
-                    break
-                budget = min(limits.values())
-                sp = cfg.sampling if budget == cfg.sampling.max_new_tokens else _with_budget(cfg.sampling, budget)
-                seed = None if task.sampling_seed is None else mix_seed(task.sampling_seed, traj.num_turns)
-                gen = generate_fn(GenerationRequest(list(seq.token_ids), sp, cfg.return_entropy, seed))
-                if len(gen.token_ids) > budget:
-                    raise RuntimeError(f"sampler returned {len(gen.token_ids)} tokens, over the budget of {budget}")
-                action = seq.add_sampled(gen)
-                generated += len(gen.token_ids)
-                if cfg.return_entropy and gen.entropies is not None:
-                    traj.meta.setdefault("entropies", []).extend(gen.entropies)
+            action, limit = turns.sample(traj, info)
         except Exception as e:  # noqa: BLE001
             traj.time_generation_s += time.perf_counter() - t0
-            sync()
-            return _fail(traj, "policy_error", e, t_start)
+            raise _Failed("policy_error", e) from e
+        if limit is not None:  # no room left for another turn
+            traj.truncated = True
+            return limit
         traj.time_generation_s += time.perf_counter() - t0
         traj.num_turns += 1
-        if seq is not None and gen.stop_reason == "length":
-            traj.truncated, finish = True, _binding(limits)
-            break
-        if isinstance(action, CutText):  # a text policy's turn cut at its length limit: never graded, as above
-            traj.truncated, finish = True, "max_new_tokens"
-            break
-        # --- the env's turn -------------------------------------------------------------------------------------
+        if (limit := turns.overran()) is not None:
+            traj.truncated = True
+            return limit
         t0 = time.perf_counter()
         try:
             obs, reward, terminated, truncated, info = env.step(action)
         except Exception as e:  # noqa: BLE001
             traj.time_env_s += time.perf_counter() - t0
-            sync()
-            return _fail(traj, "env_error", e, t_start)
+            raise _Failed("env_error", e) from e
         traj.time_env_s += time.perf_counter() - t0
         traj.reward += float(reward)
         _count_tools(traj, info)
+        role = info.get("role", "user")
         if terminated or truncated:
             traj.terminated, traj.truncated = bool(terminated), bool(truncated) and not terminated
             traj.success = bool(info.get("success", False))
             traj.tool_call_before_answer = bool(info.get("tool_call_before_answer", traj.num_tool_calls > 0))
-            finish = info.get("finish_reason") or ("done" if terminated else "max_turns")
-            messages.append({"role": info.get("role", "user"), "content": obs})
-            if seq is not None:
-                seq.messages.append({"role": info.get("role", "user"), "content": obs})
-            break
-        role = info.get("role", "user")
-        if seq is None:
-            messages.append({"role": role, "content": obs})
-            continue
+            turns.record(role, obs)
+            return info.get("finish_reason") or ("done" if terminated else "max_turns")
         try:
-            delta = seq.delta_for(role, obs)
-        except Exception as e:  # noqa: BLE001 -- TemplateNotAppendOnly or the template raising: keep the tokens
-            seq.messages.append({"role": role, "content": obs})
-            sync()
-            return _fail(traj, "template_error", e, t_start)
-        if len(seq) + len(delta.ids) >= cfg.max_total_tokens:
-            seq.messages.append({"role": role, "content": obs})  # kept for reading; its tokens would not fit
-            traj.truncated, finish = True, "context_limit"
-            break
-        seq.add_message(role, obs, delta)
-    sync()
-    traj.finish_reason = finish
-    traj.wall_time_s = time.perf_counter() - t_start
-    if seq is not None:
-        traj.validate()
-    return traj
-
-
-def _turn_limits(cfg: RolloutConfig, length: int, generated: int) -> dict[str, int]:
-    """How many tokens the next turn may sample under each limit, keyed by the finish reason it would give.
-    Insertion order breaks ties: the per-turn limit first, then the generation budget, then the context."""
-    limits = {"max_new_tokens": cfg.sampling.max_new_tokens}
-    if cfg.max_generated_tokens is not None:
-        limits["generation_budget"] = cfg.max_generated_tokens - generated
-    limits["context_limit"] = cfg.max_total_tokens - length
-    return limits
-
-
-def _binding(limits: dict[str, int]) -> str:
-    """The finish reason of the tightest limit (the first one on ties)."""
-    low = min(limits.values())
-    return next(k for k, v in limits.items() if v == low)
+            limit = turns.observe(role, obs)
+        except TemplateFailed as e:
+            raise _Failed("template_error", e.cause) from e
+        if limit is not None:
+            traj.truncated = True
+            return limit
 
 
 def _count_tools(traj: Trajectory, info: dict) -> None:
@@ -243,10 +196,6 @@ def _count_tools(traj: Trajectory, info: dict) -> None:
     for src, dst in (("tool_calls_by_name", traj.tool_calls_by_name), ("tool_errors_by_name", traj.tool_errors_by_name)):
         for name, n in (info.get(src) or {}).items():
             dst[str(name)] = dst.get(str(name), 0) + int(n)
-
-
-def _with_budget(sp: SamplingParams, budget: int) -> SamplingParams:
-    return SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_new_tokens=budget)
 
 
 class EpisodeCancelled(Exception):

@@ -1,6 +1,10 @@
-"""What the episodes of a run are: the env to build, its tasks, and the runtime settings -- from a RunConfig.
+"""What the episodes of a run are: the env to build, its tasks, and the runtime settings -- and the one way to play
+them.
 
-One function each, used by training, evaluation and ``agentenv rollout`` alike:
+:class:`EpisodeSet` (env factory, task list, rollout settings) is what training hands the loop, what evaluation plays
+on the eval split, what ``agentenv rollout`` plays from its flags and what the SFT warm start's expert plays:
+``EpisodeSet.of(cfg, split)`` from a RunConfig, or the constructor from parts; ``play(policy)`` runs every task once
+through :func:`agentenv.core.runtime.run_episodes`. It is built from one function each:
 
 * :func:`env_factory(cfg, split)` -> a picklable ``make_env`` (gymnasium id + constructor kwargs; the turn limit and
   split come from the config through :func:`agentenv.envs.spec.make_kwargs`; ``env.tasks: demo`` adds the CPU demo's
@@ -14,10 +18,44 @@ One function each, used by training, evaluation and ``agentenv rollout`` alike:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
 import numpy as np
 
 from agentenv.core.config import RunConfig
+from agentenv.core.runtime import EpisodeSpec, RolloutConfig, run_episodes
+from agentenv.core.trajectory import Trajectory
 from agentenv.envs import spec
+
+
+@dataclass
+class EpisodeSet:
+    """Episodes to play: ``make_env`` (picklable: Ray actors build their envs from it), one :class:`EpisodeSpec` per
+    episode, and the runtime settings (turn limit, token budgets, sampling, concurrency)."""
+
+    make_env: Callable
+    tasks: list[EpisodeSpec]
+    rollout: RolloutConfig
+
+    @classmethod
+    def of(cls, cfg: RunConfig, split: str | None = None, *, eval: bool = False, limit: int | None = None,
+           samples: int = 1) -> "EpisodeSet":
+        """The run's episodes on ``split`` (None: the training tasks) with the ``rollout`` (or, ``eval``, the
+        evaluation) sampling settings."""
+        return cls(env_factory(cfg, split), task_list(cfg, split, limit=limit, samples=samples),
+                   rollout_config(cfg, eval=eval))
+
+    def shard(self, i: int, k: int) -> "EpisodeSet":
+        """Every ``k``-th task from ``i``: one of ``k`` samplers' share."""
+        return replace(self, tasks=self.tasks[i::k])
+
+    def play(self, policy, *, concurrency: int | None = None, progress: bool = False,
+             on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+        """Every episode once, ``concurrency`` (default: the rollout's) at a time; trajectories in completion order."""
+        rollout = self.rollout if concurrency is None else replace(self.rollout, concurrency=concurrency)
+        return run_episodes(self.make_env, policy, len(self.tasks), rollout, tasks=self.tasks, progress=progress,
+                            on_trajectory=on_trajectory)
 
 
 def env_kwargs(cfg: RunConfig, split: str | None = None) -> dict:
@@ -49,8 +87,6 @@ def env_factory(cfg: RunConfig, split: str | None = None):
 
 
 def task_list(cfg: RunConfig, split: str | None = None, *, limit: int | None = None, samples: int = 1) -> list:
-    from agentenv.core.runtime import EpisodeSpec
-
     env = env_factory(cfg, split)()
     try:
         options = spec.task_options(env)
@@ -66,9 +102,8 @@ def task_list(cfg: RunConfig, split: str | None = None, *, limit: int | None = N
             for i in index for s in range(samples)]
 
 
-def rollout_config(cfg: RunConfig, *, eval: bool = False, concurrency: int = 8):
+def rollout_config(cfg: RunConfig, *, eval: bool = False, concurrency: int = 8) -> RolloutConfig:
     from agentenv.core.policy import SamplingParams
-    from agentenv.core.runtime import RolloutConfig
 
     r = cfg.rollout
     temperature = (cfg.eval.temperature if eval and cfg.eval.temperature else None) or r.temperature

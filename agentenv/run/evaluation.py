@@ -25,20 +25,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from agentenv.core.config import RunConfig
-from agentenv.run.episodes import env_factory, rollout_config, task_list
+from agentenv.run.episodes import EpisodeSet
 
 
 def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | None = None,
              samples: int | None = None, progress: bool = True) -> dict:
     from agentenv.core.metrics import batch_metrics
-    from agentenv.core.runtime import mix_seed
+    from agentenv.core.turns import mix_seed
 
-    tasks = task_list(cfg, split, limit=limit or cfg.eval.episodes, samples=samples or cfg.eval.samples_for(split))
+    episodes = EpisodeSet.of(cfg, split, eval=True, limit=limit or cfg.eval.episodes,
+                             samples=samples or cfg.eval.samples_for(split))
     if cfg.eval.seed is not None:  # common random numbers across this run's evaluations (see EvalConfig.seed)
-        for t in tasks:
+        for t in episodes.tasks:
             t.sampling_seed = mix_seed(cfg.eval.seed, split, t.meta["task"], t.meta["sample"])
     t0 = time.perf_counter()
-    trajs = _play(cfg, policy, split, tasks, progress)
+    trajs = _play(cfg, policy, episodes, progress)
     m = batch_metrics(trajs)
     m.pop("tokens", None)
     # which weights played: the versions every sampled token carries (one, when the policy was up to date)
@@ -58,19 +59,16 @@ def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | N
     return m
 
 
-def _play(cfg: RunConfig, policy, split: str | None, tasks: list, progress: bool) -> list:
+def _play(cfg: RunConfig, policy, episodes: EpisodeSet, progress: bool) -> list:
     """Every task's episodes, on ``eval.samplers`` copies of the policy at once (one thread each)."""
-    from agentenv.core.runtime import run_episodes
 
-    make_env = env_factory(cfg, split)
+    def play(p, shard: EpisodeSet, **kw) -> list:
+        return shard.play(p, concurrency=min(16, len(shard.tasks)), **kw)
 
-    def play(p, shard: list, **kw) -> list:
-        return run_episodes(make_env, p, len(shard), rollout_config(cfg, eval=True, concurrency=min(16, len(shard))),
-                            tasks=shard, **kw)
-
+    tasks = episodes.tasks
     k = min(cfg.eval.samplers, len(tasks))
     if k <= 1:
-        return play(policy, tasks, progress=progress)
+        return play(policy, episodes, progress=progress)
     import torch
 
     if not hasattr(policy, "replica"):
@@ -92,7 +90,7 @@ def _play(cfg: RunConfig, policy, split: str | None, tasks: list, progress: bool
     torch.set_num_threads(max(1, threads // k))  # each copy's ops on its own share of the cores
     try:
         with ThreadPoolExecutor(k, thread_name_prefix="agentenv-eval-sampler") as pool:
-            futures = [pool.submit(play, p, tasks[i::k], on_trajectory=done) for i, p in enumerate(samplers)]
+            futures = [pool.submit(play, p, episodes.shard(i, k), on_trajectory=done) for i, p in enumerate(samplers)]
             return [t for f in futures for t in f.result()]
     finally:
         torch.set_num_threads(threads)

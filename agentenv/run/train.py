@@ -45,18 +45,16 @@ def dry_run(cfg: RunConfig, out=print) -> int:
 
 def policy_factory(cfg: RunConfig, model_path: str, plan: dict):
     """A picklable ``make_policy(worker_index)`` for the sampler the plan names (weights in the compute dtype)."""
+    from agentenv.samplers.factory import sampler_factory
+
     dtype = plan["components"]["learner"]["compute_dtype"]
     if plan["components"]["sampler"] == "vllm":
-        from agentenv.samplers.vllm_policy import VLLMPolicyFactory
-
-        return VLLMPolicyFactory(model_path, seed=cfg.loop.seed, dtype=dtype,
-                                 gpu_memory_utilization=cfg.launch.vllm_gpu_memory_utilization,
-                                 tensor_parallel=cfg.launch.vllm_tensor_parallel,
-                                 enable_sleep_mode=plan["sleep_samplers_during_update"],
-                                 max_model_len=cfg.rollout.max_total_tokens)
-    from agentenv.trainer.backends import HFPolicyFactory
-
-    return HFPolicyFactory(model=model_path, seed=cfg.loop.seed, device=plan["device"],
+        return sampler_factory(model_path, "vllm", seed=cfg.loop.seed, dtype=dtype,
+                               gpu_memory_utilization=cfg.launch.vllm_gpu_memory_utilization,
+                               tensor_parallel=cfg.launch.vllm_tensor_parallel,
+                               enable_sleep_mode=plan["sleep_samplers_during_update"],
+                               max_model_len=cfg.rollout.max_total_tokens)
+    return sampler_factory(model_path, "hf", seed=cfg.loop.seed, device=plan["device"],
                            dtype=dtype if plan["device"].startswith("cuda") else "float32")
 
 
@@ -81,7 +79,7 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
 
     from agentenv.run.evaluation import evaluate
     from agentenv.core.metrics import MetricsLogger
-    from agentenv.run.episodes import env_factory, rollout_config, task_list
+    from agentenv.run.episodes import EpisodeSet
     from agentenv.trainer.distributed import make_learner
     from agentenv.trainer.loop import Trainer
 
@@ -131,7 +129,7 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
     _check_truncated_sampling(cfg, model_path, plan["device"])
     learner = make_learner(cfg, model_path, device=plan["device"])
     try:
-        tasks = task_list(cfg)
+        episodes = EpisodeSet.of(cfg)
 
         def current_weights_policy():
             """A sampler holding the learner's current weights (the local backend's own, or a driver-side one)."""
@@ -162,8 +160,8 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
             if cfg.loop.checkpoint_every and step % cfg.loop.checkpoint_every == 0:
                 learner.save_pretrained(run_dir / "checkpoints" / f"step_{step}" / "model", source=model_path)
 
-        trainer = Trainer(cfg.loop, rollout=rollout_config(cfg), launch=cfg.launch, make_env=env_factory(cfg),
-                          make_policy=make_policy, learner=learner, tasks=tasks, run_dir=run_dir, resume=resume,
+        trainer = Trainer(cfg.loop, rollout=episodes.rollout, launch=cfg.launch, make_env=episodes.make_env,
+                          make_policy=make_policy, learner=learner, tasks=episodes.tasks, run_dir=run_dir, resume=resume,
                           metrics=logger, on_update=on_update, save_trajectories=cfg.run.save_trajectories,
                           sleep_samplers_during_update=plan["sleep_samplers_during_update"])
         if cfg.eval.at_start and not resume:
@@ -291,8 +289,8 @@ def expert_demos(cfg: RunConfig, path: Path, *, progress: bool = True, echo=prin
     import importlib
 
     from agentenv.envs import EXPERTS, spec
-    from agentenv.run.episodes import env_kwargs, rollout_config, task_list
-    from agentenv.core.runtime import EpisodeSpec, RolloutConfig, run_episodes
+    from agentenv.core.runtime import EpisodeSpec, RolloutConfig
+    from agentenv.run.episodes import EpisodeSet, env_kwargs, rollout_config, task_list
     from agentenv.trainer.backends import GymEnvFactory
     from agentenv.core.trajectory import JsonlWriter
 
@@ -302,15 +300,17 @@ def expert_demos(cfg: RunConfig, path: Path, *, progress: bool = True, echo=prin
                           f"{', '.join(EXPERTS)}); use sft.demos=scripted or a trajectories JSONL")
     module, factory = EXPERTS[env_id].split(":")
     expert = getattr(importlib.import_module(module), factory)(noise=cfg.sft.expert_noise, seed=cfg.loop.seed + 1)
-    make_env = GymEnvFactory(env_id, {**env_kwargs(cfg), **getattr(expert, "env_kwargs", {})})
     tasks = task_list(cfg)
     n = cfg.sft.num_demos
-    plays = [EpisodeSpec(seed=10_000 + i, options=tasks[i % len(tasks)].options, meta={"sample": i // len(tasks)})
-             for i in range(n)]
     r = rollout_config(cfg)
-    rc = RolloutConfig(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, sampling=r.sampling, concurrency=2)
+    demos = EpisodeSet(
+        make_env=GymEnvFactory(env_id, {**env_kwargs(cfg), **getattr(expert, "env_kwargs", {})}),
+        tasks=[EpisodeSpec(seed=10_000 + i, options=tasks[i % len(tasks)].options, meta={"sample": i // len(tasks)})
+               for i in range(n)],
+        rollout=RolloutConfig(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, sampling=r.sampling,
+                              concurrency=2))
     with JsonlWriter(path) as writer:
-        trajs = run_episodes(make_env, expert, n, rc, tasks=plays, progress=progress, on_trajectory=writer.write)
+        trajs = demos.play(expert, progress=progress, on_trajectory=writer.write)
     won = sum(bool(t.success) for t in trajs)
     echo(f"expert demos: {n} episodes on {len(tasks)} training tasks (noise {cfg.sft.expert_noise:g}), "
          f"{won} won, turns {sum(t.num_turns for t in trajs) / max(1, n):.1f} mean -> {path}")

@@ -1,4 +1,4 @@
-"""Model names -> loadable weights, and policies built from them.
+"""Model names -> loadable weights (samplers are built from them in :mod:`agentenv.samplers.factory`).
 
 ``resolve_model(name)`` accepts, in this order:
 
@@ -97,19 +97,3 @@ def resolve_model(name: str) -> ResolvedModel:
             f"  then pass --model /path/to/{hub_id.split('/')[-1]}  (or copy the hub cache into $HF_HOME/hub)."
         )
     return ResolvedModel(name=name, path=str(snap), hub_id=hub_id)
-
-
-def load_hf_policy(name: str, *, seed: int = 0, device: str | None = None, dtype: str = "auto"):
-    """Resolve ``name`` and build an :class:`agentenv.samplers.hf_policy.HFPolicy` (tokenizer + model) from local files only."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from agentenv.samplers.hf_policy import HFPolicy
-
-    rm = resolve_model(name)
-    tok = AutoTokenizer.from_pretrained(rm.path, local_files_only=True)
-    torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(rm.path, local_files_only=True, dtype=torch_dtype)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return HFPolicy(model, tok, name=rm.name, model_path=rm.path, seed=seed, device=device)

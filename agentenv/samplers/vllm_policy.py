@@ -369,7 +369,8 @@ class VLLMPolicy:
 @dataclass
 class VLLMPolicyFactory:
     """Picklable ``make_policy(worker_index) -> VLLMPolicy`` for the training loop (the vLLM counterpart of
-    ``agentenv.trainer.backends.HFPolicyFactory``).
+    ``agentenv.samplers.factory.HFPolicyFactory``; built through
+    :func:`agentenv.samplers.factory.sampler_factory`).
 
     The local backend calls it once in the driver process; the Ray backend ships it to each rollout actor by value
     and calls it there, so every field must pickle (strings and numbers only). Worker ``i`` samples with seed
