@@ -355,8 +355,13 @@ def test_fixed_lag_samples_every_batch_exactly_k_versions_behind(tiny):
     seen = []
     tr, s = run(cfg(mode="sync_grpo", batch_size=4, group_size=1, total_updates=5, fixed_lag=2), tiny, learner,
                 on_update=seen.append)
-    assert [m["lag_max"] for m in seen] == [0, 1, 2, 2, 2] and [m["lag_mean"] for m in seen] == [0, 1, 2, 2, 2]
-    assert tr.local_policy().policy_version == 3  # after update 5 it was given the weights of update 3
+    # lag counts versions, and a batch of equal rewards makes no step and so no new version: the lag each update
+    # must see is min(2, the learner's version before it), 0 1 2 2 2 when every update steps
+    before = [0] + [m["policy_version"] for m in seen[:-1]]
+    want = [min(2, v) for v in before]
+    assert [m["lag_max"] for m in seen] == want and [m["lag_mean"] for m in seen] == want
+    assert want[-1] == 2, f"too few optimizer steps to build the lag: versions {before}"
+    assert tr.local_policy().policy_version == seen[-1]["policy_version"] - 2  # two versions behind at the end
     books_balance(s)
     with pytest.raises(ValueError, match="sync_grpo"):
         LoopConfig(fixed_lag=2)
