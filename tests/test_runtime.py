@@ -113,28 +113,34 @@ def test_text_policy_runs_through_the_same_loop():
 
 
 def test_episodes_do_not_wait_for_each_other(qwen_tok):
-    """One episode's env is slow; the others finish (and are yielded) long before it: no lockstep barrier."""
+    """One episode's env blocks until every other episode has been yielded: with a lockstep barrier (any turn
+    waiting for the whole batch) the fast episodes could never finish first and the block would time out."""
     slow_seed = 0
+    others_done = threading.Event()
+    waits = []  # per blocked step: True if released by the others finishing, False if by the liveness timeout
 
     class SometimesSlow(GuessNumberEnv):
         def step(self, action):
             if self._slow:
-                time.sleep(0.6)
+                waits.append(others_done.wait(timeout=60))
             return super().step(action)
 
         def reset(self, *, seed=None, options=None):
             self._slow = seed == slow_seed
             return super().reset(seed=seed, options=options)
 
+    done = []
+
+    def on_trajectory(t):
+        done.append(t)
+        if len(done) == 5:
+            others_done.set()
+
     policy = ScriptedPolicy(qwen_tok, ["0"])
-    done_at = {}
-    t0 = time.perf_counter()
     trajs = run_episodes(lambda: SometimesSlow(max_turns=3), policy, 6, cfg(concurrency=6), seed=0,
-                         on_trajectory=lambda t: done_at.__setitem__(t.task, time.perf_counter() - t0))
-    slow = [t for t in trajs if t.meta == {} and t.time_env_s > 1.0]
-    assert len(trajs) == 6 and len(slow) == 1
-    assert trajs[-1] is slow[0]  # completion order: the slow one last
-    assert max(v for k, v in done_at.items() if k != slow[0].task) < 0.6  # fast ones did not wait 3 x 0.6 s
+                         on_trajectory=on_trajectory)
+    assert len(trajs) == 6 and waits and all(waits)  # the slow episode waited for the others, never timed out
+    assert trajs[-1] is done[-1] and done[-1].time_env_s > min(t.time_env_s for t in done[:-1])
     assert threading.active_count() < 20
 
 
