@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 
 import gymnasium as gym
 import pytest
