@@ -74,8 +74,21 @@ def demo_rows(root: Path, seeds: list[int]) -> list[dict]:
                          "tool": ev.get("tool_call_rate", ev.get("tool_share", 0.0)), "n": ev["episodes"]}
         held = (sft.get("heldout") or [{}])[-1]
         row["sft_nll"] = {k: v["nll"] for k, v in held.items()}
+        row["gate"] = gate_extremes(d / "metrics.jsonl")
         rows.append(row)
     return rows
+
+
+def gate_extremes(metrics: Path) -> dict:
+    """Over a run's updates: the fewest trajectories the trust gate admitted and the largest mean sequence KL of a
+    batch -- where a run's policy drifted furthest from its samplers in one update."""
+    recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if "num_admitted" in r]
+    if not recs:
+        return {}
+    worst = min(recs, key=lambda r: r["num_admitted"])
+    return {"min_admitted": worst["num_admitted"], "batch": worst["batch_size"],
+            "max_kl": max(r["seq_kl_mean"] for r in recs)}
 
 
 def demo_table(rows: list[dict]) -> list[str]:
@@ -84,22 +97,26 @@ def demo_table(rows: list[dict]) -> list[str]:
 
     n = rows[0]["before"]["n"]
     lines = [f"| seed | warm start (SFT): success [95% CI] / tool-call rate | after {rows[0]['updates']} RL updates "
-             "| SFT held-out NLL per token (tool / guess) | wall (min) |", "| --- | --- | --- | --- | --- |"]
+             "| SFT held-out NLL per token (tool / guess) | gate: fewest admitted / peak KL | wall (min) |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        nll = r["sft_nll"]
+        nll, g = r["sft_nll"], r["gate"]
+        gate = f"{g['min_admitted']} of {g['batch']} / {g['max_kl']:.3f}" if g else "-"
         lines.append(f"| {r['seed']} | {cell(r['before'])} | {cell(r['after'])} | "
-                     f"{nll.get('tool', float('nan')):.3f} / {nll.get('guess', float('nan')):.3f} | {r['wall_min']:.1f} |")
+                     f"{nll.get('tool', float('nan')):.3f} / {nll.get('guess', float('nan')):.3f} | {gate} | "
+                     f"{r['wall_min']:.1f} |")
     after = [r["after"]["success"] for r in rows]
     tool = [r["after"]["tool"] for r in rows]
     if len(rows) > 1:
         lines.append(f"| mean ± sd | {statistics.mean(r['before']['success'] for r in rows):.2f} | "
                      f"{statistics.mean(after):.2f} ± {statistics.stdev(after):.2f} / "
-                     f"{statistics.mean(tool):.2f} ± {statistics.stdev(tool):.2f} | | "
+                     f"{statistics.mean(tool):.2f} ± {statistics.stdev(tool):.2f} | | | "
                      f"{statistics.mean(r['wall_min'] for r in rows):.1f} |")
     lines.append("")
     lines.append(f"Evaluated on the `{rows[0]['split']}` split: {n} questions from the held-out side of the demo's "
                  "question space (`agentenv.run.demo.is_heldout`), which no SFT demo or RL task is drawn from. Intervals: "
-                 "Wilson, over the evaluation's episodes.")
+                 "Wilson, over the evaluation's episodes. Gate: over the run's updates, the fewest trajectories of a batch the "
+                 "trust gate admitted and the largest batch-mean sequence KL (delta = 1e-3).")
     return lines
 
 

@@ -39,6 +39,18 @@ def test_demo_two_updates(tmp_path):
     check = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_demo.py"), str(tmp_path)],
                            capture_output=True, text=True)
     assert check.returncode == 1 and check.stdout.startswith("check_demo: FAIL: the main job did not learn: heldout")
+    # the figure script reads the finished run (no rerun) and writes its row, stamped
+    runs = tmp_path.parent / f"{tmp_path.name}-figures"
+    (runs / "demo").mkdir(parents=True)
+    (runs / "demo" / "seed0").symlink_to(tmp_path)
+    fig = subprocess.run([sys.executable, str(ROOT / "scripts" / "figures.py"), "demo", "--seeds", "0", "--runs",
+                          str(runs), "--no-run", "--no-readme", "--out", str(runs / "demo.md")],
+                         capture_output=True, text=True)
+    assert fig.returncode == 0, fig.stderr
+    table = (runs / "demo.md").read_text()
+    fewest = min(r["num_admitted"] for r in recs)
+    assert "commit " in table and "after 2 RL updates" in table
+    assert any(line.startswith("| 0 | ") and f"| {fewest} of 2 / " in line for line in table.splitlines())
 
 
 def test_the_demo_check_passes_a_run_that_learned_and_names_what_failed():
