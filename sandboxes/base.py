@@ -33,7 +33,7 @@ import time
 import weakref
 from pathlib import Path
 
-from agentenv.sandboxes.channel import Sink, pump
+from agentenv.sandboxes.channel import Sink, drain, pump
 from agentenv.sandboxes.limits import ExecResult, Limits
 
 RUNNER_SOURCE = (Path(__file__).parent / "_runner.py").read_text()  # run as `python -S -I -c RUNNER_SOURCE ...`
@@ -127,13 +127,8 @@ def _kill(proc):
     proc.kill()
 
 
-def _settle(proc, deadline: float, out: Sink, err: Sink) -> str:
-    """After the end-of-cell marker: "done" once the interpreter is provably back at the runner's read (frozen
-    if need be, see :mod:`agentenv.sandboxes.boundary`), else keep reading its output and look again, with
-    backoff, until the leader exits ("eof") or the deadline ("timeout")."""
-    at_rest = getattr(proc, "at_rest", None)
-    if at_rest is None:  # a backend without a host-side view of its interpreter: the marker is all there is
-        return "done"
+def _prove(proc, at_rest, deadline: float, out: Sink, err: Sink) -> str:
+    """Look (with backoff, reading output meanwhile) until ``at_rest()``: "done", or "eof"/"timeout"."""
     wait = 0.0005
     while not at_rest():
         left = deadline - time.monotonic()
@@ -143,6 +138,35 @@ def _settle(proc, deadline: float, out: Sink, err: Sink) -> str:
             return "eof"
         wait = min(wait * 2, 0.02)
     return "done"
+
+
+def _settle(proc, deadline: float, out: Sink, err: Sink, limits: Limits) -> str:
+    """After the end-of-cell marker: "done" once the interpreter is provably back at the runner's read (frozen
+    if need be, see :mod:`agentenv.sandboxes.boundary`) and everything the cell wrote has been read, else "eof"
+    (the leader exited) or "timeout". The marker only starts the proof: a cell can write it too.
+
+    Over pipes, a writer proven stopped has all its output in the pipes already: read it without waiting. Over a
+    relayed stream (docker's, ``proc.mux``) it may still be in flight, so the host sends a flush: an empty cell
+    under a random nonce drawn after the proof, which no code of the cell can have seen. The runner answers it
+    only after all it wrote before. (A leftover thread or child, thawed for that answer, could take the flush
+    from the pipe; the runner then never answers and the call times out.) After the answer the proof is
+    repeated, since the runner had to run to answer."""
+    at_rest = getattr(proc, "at_rest", None)
+    if at_rest is None:  # a backend without a host-side view of its interpreter: the marker is all there is
+        return "done"
+    state = _prove(proc, at_rest, deadline, out, err)
+    if state != "done" or getattr(proc, "boundary", True) is None:  # nothing was proven: nothing to flush
+        return state
+    if not getattr(proc, "mux", False):
+        drain(proc, out, err)
+        return "done"
+    nonce = secrets.token_hex(8).encode()
+    payload, tag = _cell("", nonce, limits), b"\0\x1eAE" + nonce
+    out.expect(tag)
+    err.expect(tag)
+    proc.thaw()
+    state = pump(proc, payload, deadline, out, err, stop_on_markers=True)
+    return _prove(proc, at_rest, deadline, out, err) if state == "done" else state
 
 
 class Session:
@@ -178,7 +202,7 @@ class Session:
         if fixed:
             raise ValueError(f"a session's {sorted(fixed)} are fixed when it starts; only {sorted(_PER_CALL)} "
                              "may change per call (open a new session for other limits)")
-        nonce = b"%s%x" % (self._salt, next(self._count))  # unique per call; a cell can only fool itself anyway
+        nonce = b"%s%x" % (self._salt, next(self._count))  # unique per call: a late marker of an earlier call is output
         payload = _cell(code, nonce, limits)
         with self._lock:
             if self.closed:
@@ -196,7 +220,7 @@ class Session:
                 thaw()
             state = pump(proc, payload, deadline, out, err, stop_on_markers=True)
             if state == "done":
-                state = _settle(proc, deadline, out, err)
+                state = _settle(proc, deadline, out, err, limits)
             if state == "done":
                 _, code, exc = out.status.split(b":", 2) if out.status.count(b":") >= 2 else (b"", b"1", b"")
                 return _result(out, err, int(code) if code.isdigit() else 1, False, exc, proc, started,

@@ -11,8 +11,11 @@ Contract:
   stderr is then drained without waiting, saving a wake-up per call. Handles with ``mux = True`` (docker) get a
   marker on each stream and the pump waits for both.
 * A :class:`Sink` keeps at most ``cap`` bytes and counts the rest, so an output flood costs reading time but no
-  memory. It removes the first ``tag ... \\0`` marker from the stream and keeps what follows the tag as ``status``.
-  The marker can be split across reads; user output that merely contains NUL bytes passes through unchanged.
+  memory. It removes every ``tag ... \\0`` marker from the stream and keeps what follows the tag of the *last* one
+  as ``status``: a cell can write the same bytes as its runner (see :mod:`.boundary`), but the runner's own marker
+  is the last thing it writes before its read, where the host proves it back. A flush (``Sink.expect``) awaits a
+  second tag on the same sink. A marker can be split across reads; user output that merely contains NUL bytes
+  passes through unchanged.
 """
 
 from __future__ import annotations
@@ -30,30 +33,58 @@ class Sink:
         self.cap, self.tag = cap, tag
         self.kept = bytearray()
         self.dropped = 0
-        self.pending = b""  # a tail that may be the start of the marker
-        self.found = False
-        self.status = b""
+        self.pending = b""  # a tail that may be the start of a marker
+        self.tags = [tag]  # every tag stripped from the stream; the last one is the one awaited
+        self.statuses: dict[bytes, bytes] = {}  # tag -> the status of its LAST marker
+
+    @property
+    def found(self) -> bool:
+        """Has the awaited tag's marker been seen?"""
+        return self.tags[-1] in self.statuses
+
+    @property
+    def status(self) -> bytes:
+        """The status of the last marker with the call's own tag (b"" if none)."""
+        return self.statuses.get(self.tag, b"")
+
+    def expect(self, tag: bytes) -> None:
+        """Await a further marker ``tag`` (a flush); markers of the earlier tags are still stripped and read."""
+        self.tags.append(tag)
+
+    def _first(self, buf) -> tuple[int, bytes]:
+        best, which = -1, b""
+        for tag in self.tags:
+            i = buf.find(tag)
+            if i >= 0 and (best < 0 or i < best):
+                best, which = i, tag
+        return best, which
 
     def feed(self, data: bytes) -> None:
         buf = self.pending + data if self.pending else data
         self.pending = b""
-        if not self.found:
-            i = buf.find(self.tag)
-            if i >= 0:
-                j = buf.find(b"\0", i + len(self.tag), i + len(self.tag) + _MAX_STATUS)
-                if j < 0 and len(buf) - i - len(self.tag) < _MAX_STATUS:
-                    self._keep(buf[:i])
-                    self.pending = buf[i:]  # the status has not fully arrived yet
-                    return
-                if j >= 0:
-                    self._keep(buf[:i])
-                    self.found, self.status = True, bytes(buf[i + len(self.tag):j])
-                    buf = buf[j + 1:]
-            elif b"\0" in buf[-len(self.tag) + 1:]:  # the tag starts with NUL: only then can a tail be its prefix
-                cut = max(0, len(buf) - len(self.tag) + 1)
-                self._keep(buf[:cut])
-                self.pending = buf[cut:]
+        while True:
+            i, tag = self._first(buf)
+            if i < 0:
+                break
+            k = i + len(tag)
+            j = buf.find(b"\0", k, k + _MAX_STATUS)
+            if j < 0 and len(buf) - k < _MAX_STATUS:
+                self._keep(buf[:i])
+                self.pending = buf[i:]  # the status has not fully arrived yet
                 return
+            if j < 0:  # no status end within reach: not a marker after all
+                self._keep(buf[:k])
+                buf = buf[k:]
+                continue
+            self._keep(buf[:i])
+            self.statuses[tag] = bytes(buf[k:j])
+            buf = buf[j + 1:]
+        longest = max(map(len, self.tags))
+        if b"\0" in buf[-longest + 1:]:  # the tags start with NUL: only then can a tail be a prefix of one
+            cut = max(0, len(buf) - longest + 1)
+            self._keep(buf[:cut])
+            self.pending = buf[cut:]
+            return
         self._keep(buf)
 
     def _keep(self, b: bytes) -> None:
@@ -68,6 +99,11 @@ class Sink:
             self.pending = b""
         s = self.kept.decode("utf-8", "replace")
         return s + TRUNCATION_MARKER.format(dropped=self.dropped) if self.dropped else s
+
+
+def drain(proc, out: Sink, err: Sink) -> None:
+    """Read whatever ``proc`` has already written (for a writer proven stopped: all of it), without waiting."""
+    _drain(proc, list(proc.rfds), {1: out, 2: err})
 
 
 def _drain(proc, fds, sinks, max_reads: int = 64) -> None:

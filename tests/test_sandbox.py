@@ -86,6 +86,19 @@ def test_sink_strips_a_marker_split_across_reads_and_caps():
     assert plain.text() == "a\0b\0" and not plain.found
 
 
+def test_sink_strips_every_marker_keeps_the_last_status_and_awaits_a_flush():
+    """A cell can write its runner's marker itself: every copy is stripped, the last one (the runner's, written
+    just before its read) gives the status, and a flush tag is awaited on top."""
+    tag, flush = b"\0\x1eAEabc", b"\0\x1eAEf00"
+    s = Sink(100, tag)
+    s.feed(b"one" + tag + b":0:\0two" + tag[:3])
+    assert s.found and s.status == b":0:"
+    s.expect(flush)
+    assert not s.found
+    s.feed(tag[3:] + b":1:ValueError\0three" + flush + b":0:\0")
+    assert s.found and s.status == b":1:ValueError" and s.text() == "onetwothree"
+
+
 def test_bad_inputs(sb):
     with pytest.raises(TypeError):
         sb.run(b"print(1)")
