@@ -140,17 +140,24 @@ class CellBoundary:
         self.cgroup, self.rest_tasks, self.locate = cgroup, rest_tasks, locate
         self._probe: IdleProbe | None = None
 
+    def _find(self) -> IdleProbe | None:
+        if self._probe is None:
+            found = self.locate()
+            if found is not None and found[0] is not None:
+                try:
+                    self._probe = IdleProbe(*found)
+                except OSError:  # it exited meanwhile
+                    return None
+        return self._probe
+
     def at_rest(self) -> bool:
         """Idle without a freeze when provable (~20 us), else freeze the whole tree (~0.3 ms) and require its
         interpreter stopped in the cell read. False leaves the tree running."""
         group = self.cgroup
         if group.destroyed:
             return True
-        if self._probe is None:
-            found = self.locate()
-            if found is None or found[0] is None:
-                return False
-            self._probe = IdleProbe(*found)
+        if self._find() is None:
+            return False
         if self._probe.idle(group.tasks() == self.rest_tasks):
             return True
         if group.freeze() and self._probe.frozen_at_read():

@@ -5,8 +5,8 @@ Contract:
 * :func:`pump` writes ``payload`` to the process's stdin and reads stdout/stderr into two :class:`Sink` objects
   until the sinks have seen their end-of-cell markers (``stop_on_markers``), or both streams reach end of file or
   the process exits (``proc.exit_fd``, a pidfd, if it has one), or ``deadline`` (``time.monotonic()``) passes.
-  It returns ``"done"``, ``"eof"`` or ``"timeout"`` and never blocks past the deadline, whatever the process
-  does (it may stop reading stdin, flood output, or hang).
+  It returns ``"done"``, ``"eof"`` or ``"timeout"`` (or ``"cpu"``: a :class:`CpuBudget` is spent) and never
+  blocks past the deadline, whatever the process does (it may stop reading stdin, flood output, or hang).
 * In a session the runner marks the end of a cell on stdout only (see :mod:`agentenv.sandboxes._runner`);
   stderr is then drained without waiting, saving a wake-up per call. Handles with ``mux = True`` (docker) get a
   marker on each stream and the pump waits for both.
@@ -106,6 +106,26 @@ def drain(proc, out: Sink, err: Sink) -> None:
     _drain(proc, list(proc.rfds), {1: out, 2: err})
 
 
+class CpuBudget:
+    """A call's CPU seconds, metered from outside the sandbox (``meter()``: its cgroup's usage, every task counted),
+    so no code inside can raise it. The tree cannot spend them faster than ``cpus`` cores (its cgroup's quota),
+    so the meter is read only at the earliest moment the budget could be gone (:attr:`check_at`): nothing at all
+    for a call that ends sooner."""
+
+    def __init__(self, meter, limit_s: float, cpus: float):
+        self.meter, self.limit, self.cpus = meter, limit_s, cpus
+        self.start = meter()
+        self.check_at = time.monotonic() + limit_s / cpus
+
+    def spent(self) -> bool:
+        """Read at :attr:`check_at`: True once the budget is used up, else the next check is scheduled."""
+        used = self.meter() - self.start
+        if used >= self.limit:
+            return True
+        self.check_at = time.monotonic() + max((self.limit - used) / self.cpus, 0.005)
+        return False
+
+
 def _drain(proc, fds, sinks, max_reads: int = 64) -> None:
     """Read what is already there, without waiting (bounded: a background writer may never stop)."""
     for fd in list(fds):
@@ -117,9 +137,11 @@ def _drain(proc, fds, sinks, max_reads: int = 64) -> None:
                 sinks[stream].feed(data)
 
 
-def pump(proc, payload: bytes, deadline: float, out: Sink, err: Sink, stop_on_markers: bool) -> str:
-    """Exchange bytes with ``proc`` (a PipeProc-like handle) until done, end of file, the leader's exit, or the
-    deadline. ``proc.poller`` has its read fds (and ``exit_fd``, if any) registered for POLLIN."""
+def pump(proc, payload: bytes, deadline: float, out: Sink, err: Sink, stop_on_markers: bool,
+         cpu: CpuBudget | None = None) -> str:
+    """Exchange bytes with ``proc`` (a PipeProc-like handle) until done, end of file, the leader's exit, the
+    deadline, or ``cpu`` spent ("cpu"). ``proc.poller`` has its read fds (and ``exit_fd``, if any) registered for
+    POLLIN."""
     pending = memoryview(payload)
     if pending:
         pending = pending[proc.write(pending):]  # a cell usually fits the pipe buffer: no POLLOUT round trip
@@ -139,10 +161,13 @@ def pump(proc, payload: bytes, deadline: float, out: Sink, err: Sink, stop_on_ma
                 return "done"
             if not open_fds:
                 return "eof"
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 return "timeout"
-            for fd, ev in poller.poll(left * 1000):
+            if cpu is not None and now >= cpu.check_at and cpu.spent():
+                return "cpu"
+            left = min(deadline, cpu.check_at) - now if cpu is not None else deadline - now
+            for fd, ev in poller.poll(max(left, 0) * 1000):
                 if fd == exit_fd:  # whatever it wrote is in the pipes now; children still writing are cut off
                     _drain(proc, open_fds, sinks)
                     return "done" if stop_on_markers and out.found and (err.found or not mux) else "eof"

@@ -76,7 +76,7 @@ def container_config(image: str, python: str, mode: str, limits: Limits, cpus: f
     """Keyword arguments for ``client.containers.create`` (pure, so the hardening is testable without an engine)."""
     from docker.types import LogConfig, Ulimit
 
-    mode = "session-mux" if mode == "session" else mode  # stdout/stderr may be reordered over the attach stream
+    mode += "-mux"  # stdout/stderr may be reordered over the attach stream: the runner marks the end of each
     args = runner_args(mode, limits.replace(max_processes=1 << 20))  # pids_limit is the process cap here
     return dict(
         image=image, command=[python, "-S", "-I", "-c", RUNNER_SOURCE, *args], stdin_open=True, tty=False,
@@ -126,7 +126,7 @@ class DockerProc:
         self.poller = select.poll()
         self.poller.register(self.wfd, select.POLLIN)
         self._buf = bytearray()
-        self.mux = True  # one stream carries both: the runner marks each (mode session-mux)
+        self.mux = True  # one stream carries both: the runner marks each (modes once-mux, session-mux)
         self.oom_killed = False
         self._gone = False
 

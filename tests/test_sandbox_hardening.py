@@ -3,6 +3,7 @@ and rlimits that never try to exceed a hard limit. Every check runs real sandbox
 what stops an attack, the same code is also run with that layer off to show the test can fail."""
 
 import ctypes
+import errno
 import os
 import shutil
 import subprocess
@@ -192,6 +193,30 @@ def test_ordinary_python_still_works_under_the_filter():
             "pid = os.fork()\nif pid == 0: os._exit(7)\nprint(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
     r = _quiet().run(code)
     assert r.stdout == "child\n3\n7\n" and r.ok, r
+
+
+def test_one_sandbox_cannot_lock_shared_usr_files_against_another():
+    """Two live sandboxes see the same /usr inodes: the first one's lock attempts must leave the second (and the
+    host) able to take an exclusive lock; POSIX locks on its own files still work (sqlite)."""
+    _need_seccomp()
+    import fcntl
+    hold = ("import fcntl, os, sys\nfd = os.open(os.path.realpath(sys.executable), os.O_RDONLY)\n"
+            "for take in (lambda: fcntl.flock(fd, fcntl.LOCK_EX), lambda: fcntl.lockf(fd, fcntl.LOCK_SH)):\n"
+            "    try:\n        take()\n        print('held')\n    except OSError as e:\n"
+            "        print('refused', e.errno)\n")
+    probe = ("import fcntl, os, sys\nfd = os.open(os.path.realpath(sys.executable), os.O_RDONLY)\n"
+             "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n    print('free')\n"
+             "except OSError as e:\n    print('blocked', e.errno)\n")
+    sb = _quiet()
+    with sb.session() as a, sb.session() as b:
+        assert a.run(hold).stdout.split() == ["refused", str(errno.ENOLCK), "held"]  # flock denied; a shared lockf
+        assert b.run(probe).stdout.split() == ["blocked", str(errno.ENOLCK)]  # not by a, by the filter
+        with open(os.path.realpath("/usr/bin/python3"), "rb") as f:  # the host: nothing holds it
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_UN)
+        r = b.run("import sqlite3\ndb = sqlite3.connect('/tmp/x.db')\ndb.execute('create table t (x)')\n"
+                  "db.execute('insert into t values (1)')\ndb.commit()\nprint(db.execute('select x from t').fetchall())")
+        assert r.stdout == "[(1,)]\n", r.stderr
 
 
 def test_the_filter_is_a_real_bpf_program():
