@@ -10,9 +10,9 @@ Contract:
 * :meth:`ReadyQueue.take` returns a process only for limits that start the same process (:func:`start_key`:
   the runner's arguments and the tmp size; the wall timeout and output cap are the host's per call), and never
   one that died while it waited; else None, and the caller starts one itself.
-* The queue fills lazily, from the first take on (a sandbox used only for sessions starts nothing extra), holds
-  only a weak reference to its sandbox, and :meth:`ReadyQueue.close` (the sandbox's ``close``, its garbage
-  collection) kills what it holds; the process registry (:func:`.process.kill_all`) covers interpreter exit.
+* The queue fills lazily, from the second take on (a sandbox used only for sessions, or for one run, starts
+  nothing extra), holds only a weak reference to its sandbox, and :meth:`ReadyQueue.close` (the sandbox's
+  ``close``, its garbage collection) kills what it holds; the process registry (:func:`.process.kill_all`) covers interpreter exit.
   A start that fails in the background stops the filling (the caller's own start then raises the real error).
 """
 
@@ -41,13 +41,15 @@ class ReadyQueue:
         self._ready: deque = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._takes = 0
         self.closed = False
 
     def take(self, limits: Limits):
         if self.depth <= 0 or self.closed or start_key(limits) != self.key:
             return None
         with self._cond:
-            if self._thread is None:
+            self._takes += 1
+            if self._thread is None and self._takes >= 2:
                 self._thread = threading.Thread(target=self._fill, name="agentenv-sandbox-ready", daemon=True)
                 self._thread.start()
             proc = None

@@ -280,3 +280,23 @@ def test_cgroup_paths_are_found_on_v1_and_v2_hosts():
     assert v2 is None and set(v1) == {"cpu", "memory", "pids"} and own["cpuacct"] == "/x"
     assert str(cgroups._under(v1["memory"], own["memory"])) == "/sys/fs/cgroup/memory/job"  # mount root stripped
     assert str(cgroups._under(v1["cpu"], own["cpu"])) == "/sys/fs/cgroup/cpu/x"
+
+
+def test_a_groups_cpu_is_metered_on_v1_and_v2(tmp_path):
+    """The CPU meter that bounds a call's CPU from outside: a live v1 group here, and a v2 group's files."""
+    _need_cgroups()
+    m = cgroups.manager()
+    g = m.create(64 << 20, 8, 1.0)
+    try:
+        if not g.meters_cpu:
+            pytest.skip("this v1 host mounts no cpuacct controller")
+        subprocess.run(g.join_argv(["/usr/bin/python3", "-S", "-I", "-c", "sum(range(3 * 10**6))"]), check=True)
+        assert g.cpu_seconds() > 0.01
+    finally:
+        g.destroy()
+    for name, text in (("memory.events", "oom_kill 0\n"), ("pids.current", "1\n"),
+                       ("cpu.stat", "usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n")):
+        (tmp_path / name).write_text(text)
+    v2 = cgroups.Cgroup(cgroups.CgroupManager(2, {}), {"memory": tmp_path})
+    assert v2.meters_cpu and v2.cpu_seconds() == 2.5
+    v2.release()
