@@ -30,7 +30,7 @@ from agentenv.sandboxes import Limits, SandboxPool, cgroups
 BENIGN = ["x = sum(i * i for i in range(2000))", "xs = [str(i) for i in range(500)]; len(xs)",
           "d = {i: i % 7 for i in range(300)}; sum(d.values())", "import json; json.dumps({'a': [1, 2, 3]})"]
 HOSTILE = {
-    "forged_marker": "import sys; f = sys._getframe(1).f_locals; f['write'](1, b'\\0\\x1eAE' + f['nonce'] + "
+    "forged_marker": "import os, sys; os.write(1, b'\\0\\x1eAE' + sys._getframe(1).f_locals['nonce'] + "
                      "b':0:\\0')\nimport time\nend = time.monotonic() + 0.3\nwhile time.monotonic() < end: pass",
     "timer_handler": "import signal\nsignal.signal(signal.SIGALRM, lambda *a: sum(range(10000)))\n"
                      "signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)",

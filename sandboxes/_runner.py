@@ -35,6 +35,32 @@ import posix as os
 import sys
 
 
+def _end(tag, ended, mux, out, err, write=os.write):
+    """Flush what the cell printed, then mark the end of the cell (see the module docstring). ``write`` is bound
+    here, before any cell runs: a cell that replaces ``posix.write`` does not reach it."""
+    for stream in (sys.stdout, sys.stderr) if sys.stdout is out and sys.stderr is err else (
+            sys.stdout, sys.stderr, out, err):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    code, exc_name = ended
+    try:
+        if mux:
+            write(2, tag + b"\0")
+        write(1, tag + b":%d:%s\0" % (code, exc_name.encode()))
+    except OSError:  # the cell closed fd 1 or 2: the host ends the call at the exit instead
+        pass
+
+
+def _show_traceback(exc, source, filename):
+    import linecache
+    import traceback
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # drop this runner's own frame
+    traceback.print_exception(type(exc), exc, tb)
+
+
 def _main(argv):
     import _ast
     import _signal
@@ -61,35 +87,12 @@ def _main(argv):
     os.dup2(null, 0)
     os.close(null)
     sys.stdout.reconfigure(line_buffering=True)
-    out, err, write, write_err = sys.stdout, sys.stderr, os.write, os.write
+    out, err = sys.stdout, sys.stderr
     main = type(sys)("__main__")
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
     sys.argv = ["<cell>"]
     cells = armed = 0
-
-    def end(tag, ended):
-        """Flush what the cell printed, then mark the end of the cell (see the module docstring)."""
-        for stream in (sys.stdout, sys.stderr) if sys.stdout is out and sys.stderr is err else (
-                sys.stdout, sys.stderr, out, err):
-            try:
-                stream.flush()
-            except BaseException:
-                pass
-        code, exc_name = ended
-        try:
-            if mux:
-                write_err(2, tag + b"\0")
-            write(1, tag + b":%d:%s\0" % (code, exc_name.encode()))
-        except OSError:  # the cell closed fd 1 or 2: the host ends the call at the exit instead
-            pass
-
-    def show_traceback(exc, source, filename):
-        import linecache
-        import traceback
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # drop this runner's own frame
-        traceback.print_exception(type(exc), exc, tb)
 
     while True:
         head = ctl.readline()
@@ -107,9 +110,9 @@ def _main(argv):
                 r.setrlimit(r.RLIMIT_CPU, (soft, r.RLIM_INFINITY))
                 armed = soft
         code, exc_name = 0, ""
-        if once:  # registered before the cell runs: after its own handlers and its non-daemon threads
+        if once:  # registered before the cell runs: after its own handlers and its non-daemon threads; not in a fork
             import atexit
-            atexit.register(lambda pid=os.getpid(): os.getpid() == pid and end(tag, ended))  # not a forked child
+            atexit.register(lambda pid=os.getpid(): os.getpid() == pid and _end(tag, ended, mux, out, err))
         try:
             tree = compile(source, filename, "exec", _ast.PyCF_ONLY_AST)
             last = None
@@ -125,13 +128,13 @@ def _main(argv):
         except BaseException as e:
             code, exc_name = 1, type(e).__name__
             try:
-                show_traceback(e, source, filename)
+                _show_traceback(e, source, filename)
             except BaseException:  # e.g. MemoryError again while formatting: keep the name, lose the text
                 pass
         ended[:] = [code & 0xFF if once else code, exc_name]  # what a process's exit status keeps of it
         if once:
             sys.exit(code)
-        end(tag, ended)
+        _end(tag, ended, mux, out, err)
 
 
 _main(sys.argv[1:])

@@ -11,9 +11,8 @@ Contract:
   in :data:`UNAVAILABLE` and logged as a loud warning once. It supports the unified hierarchy (v2: ``memory.max``,
   ``memory.swap.max = 0``, ``pids.max``, ``cpu.max``, ``cgroup.freeze``, ``cgroup.kill``, ``memory.events``) and
   the legacy one (v1: ``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes`` (no swap), ``pids.max``,
-  ``cpu.cfs_quota_us``, ``freezer.state``, ``memory.oom_control``, and ``cpuacct.usage`` where cpuacct is
-  mounted), detected from ``/proc/self/mountinfo``. :meth:`Cgroup.cpu_seconds` meters the tree's CPU (v2:
-  ``cpu.stat``).
+  ``cpu.cfs_quota_us``, ``freezer.state``, ``memory.oom_control``, ``cpuacct.usage`` where mounted), detected
+  from ``/proc/self/mountinfo``.
 * Groups live under ``agentenv-<host pid>`` inside the host process's own cgroup for each controller, so whatever
   limits the host itself is under still apply, and two host processes never share a parent. Nothing outlives the
   host (:mod:`.reaper`): a watchdog process reaps the groups the moment the host dies, however it dies, and the
@@ -31,6 +30,7 @@ Contract:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import itertools
 import logging
@@ -138,19 +138,16 @@ class Cgroup:
         return int(os.pread(self._tasks_fd, 64, 0))
 
     @property
-    def meters_cpu(self) -> bool:
+    def meters_cpu(self) -> bool:  # v1 needs a cpuacct hierarchy
         return self.v2 or "cpuacct" in self.dirs
 
     def cpu_seconds(self) -> float:
-        """CPU time every task of the group has used so far, exited ones included (needs :attr:`meters_cpu`)."""
+        """CPU time every task of the group has used so far, exited ones included (v2: ``cpu.stat``)."""
         if self._cpu_fd is None:
             path = self.dirs["memory"] / "cpu.stat" if self.v2 else self.dirs["cpuacct"] / "cpuacct.usage"
             self._cpu_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         raw = os.pread(self._cpu_fd, 4096, 0)
-        if not self.v2:
-            return int(raw) / 1e9
-        i = raw.find(b"usage_usec ")
-        return int(raw[i + 11:raw.index(b"\n", i)]) / 1e6
+        return int(raw.split(b"usage_usec ", 1)[1].split(b"\n", 1)[0]) / 1e6 if self.v2 else int(raw) / 1e9
 
     def new_oom_kill(self) -> bool:
         """True if an OOM kill happened since the last time this was asked (each kill is reported once)."""
@@ -185,13 +182,10 @@ class Cgroup:
         return True
 
     def thaw(self) -> None:
-        if not self.frozen:
-            return
-        if self.v2:
-            _write(self.dirs["memory"] / "cgroup.freeze", "0")
-        else:
-            _write(self.dirs["freezer"] / "freezer.state", "THAWED")
-        self.frozen = False
+        if self.frozen:
+            _write(*((self.dirs["memory"] / "cgroup.freeze", "0") if self.v2 else
+                     (self.dirs["freezer"] / "freezer.state", "THAWED")))
+            self.frozen = False
 
     def pids(self) -> list[int]:
         d = self.dirs["memory"] if self.v2 else self.dirs.get("pids", self.dirs["memory"])
@@ -206,10 +200,8 @@ class Cgroup:
             _write(self.dirs["memory"] / "cgroup.kill", "1")
         else:
             for pid in self.pids():
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         try:
             self.thaw()  # v1: a frozen task does not act on SIGKILL until it is thawed
         except OSError:
