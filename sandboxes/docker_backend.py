@@ -184,11 +184,7 @@ class DockerProc:
         except OSError:
             pass
         self.sock.close()
-        try:
-            self.container.kill()
-        except Exception:  # it already exited (docker.errors.APIError 409)
-            pass
-        try:
+        try:  # an OOM kill has happened by now if there was one; remove(force=True) kills: one API call less
             self.container.reload()
             self.oom_killed = bool(self.container.attrs["State"].get("OOMKilled"))
         except Exception:
