@@ -1,19 +1,22 @@
-"""Soak test of the sandbox pool: many tool episodes in flight for minutes, hostile cells mixed in; does anything
-leak or slow down?
+"""Soak test of the sandbox pool: many real PythonToolEnv episodes in flight for minutes, hostile cells mixed in;
+does anything leak or slow down?
 
     python benchmarks/sandbox_soak.py [--minutes 10] [--in-flight 64] [--pool 16] [--hostile 0.1]
 
-``--in-flight`` threads each run episodes back to back: take a warm session from a :class:`SandboxPool`, run 3 to 6
-cells (arithmetic, a list, a dict, an import), release it. A share ``--hostile`` of the cells is drawn from
-:data:`HOSTILE` (a forged end-of-cell marker, a timer signal handler, a spinning thread, a fork bomb, a memory
-bomb, a sleep past the timeout, a child that outlives its cell), each bounded by the call's limits. Every
-``--every`` seconds it prints the p50/p99 latency of benign cells in that interval; at the start and the end the
-host's process count, sandbox cgroups, this process's open fds and RSS, /tmp entries and MemAvailable. Exit status
-1 if any count grew after the pool was closed (a leak), else 0. Benign cells must succeed; a failed benign cell is
-counted and printed.
+``--in-flight`` threads each own a :class:`~agentenv.envs.python_tool.PythonToolEnv` sharing one
+:class:`SandboxPool` and run episodes back to back: ``reset``, 3 to 6 assistant turns that each call the
+``python`` tool (arithmetic, a list, a dict, an import) through ``env.step`` -- the episode takes a warm session
+from the pool at its first call -- then a final answer, which ends the episode and hands the session back. A share
+``--hostile`` of the cells is drawn from :data:`HOSTILE` (a forged end-of-cell marker, a timer signal handler, a
+spinning thread, a fork bomb, a memory bomb, a sleep past the timeout, a child that outlives its cell), each
+bounded by the call's limits. Every ``--every`` seconds it prints the p50/p99 latency of benign tool turns
+(``env.step``) in that interval; at the start and the end the host's process count, sandbox cgroups, this
+process's open fds and RSS, /tmp entries and MemAvailable. Exit status 1 if any count grew after the pool was
+closed (a leak), else 0. Benign cells must succeed (no tool error); a failed benign cell is counted and printed.
 """
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -21,12 +24,13 @@ import sys
 import threading
 import time
 
+from agentenv.envs.python_tool import PythonToolEnv
 from agentenv.sandboxes import Limits, SandboxPool, cgroups
 
 BENIGN = ["x = sum(i * i for i in range(2000))", "xs = [str(i) for i in range(500)]; len(xs)",
           "d = {i: i % 7 for i in range(300)}; sum(d.values())", "import json; json.dumps({'a': [1, 2, 3]})"]
 HOSTILE = {
-    "forged_marker": "import sys; f = sys._getframe(1).f_locals; f['write'](1, b'\\0\\x1eAE' + f['nonce'] + "
+    "forged_marker": "import os, sys; os.write(1, b'\\0\\x1eAE' + sys._getframe(1).f_locals['nonce'] + "
                      "b':0:\\0')\nimport time\nend = time.monotonic() + 0.3\nwhile time.monotonic() < end: pass",
     "timer_handler": "import signal\nsignal.signal(signal.SIGALRM, lambda *a: sum(range(10000)))\n"
                      "signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)",
@@ -51,6 +55,11 @@ def counts() -> dict:
             "host_rss_mb": rss >> 10, "mem_available_mb": avail >> 10}
 
 
+def call(code: str) -> str:
+    """One assistant turn that calls the python tool (the Hermes format the env parses)."""
+    return "<tool_call>\n" + json.dumps({"name": "python", "arguments": {"code": code}}) + "\n</tool_call>"
+
+
 class Soak:
     def __init__(self, pool: SandboxPool, hostile: float, stop_at: float):
         self.pool, self.hostile, self.stop_at = pool, hostile, stop_at
@@ -60,19 +69,30 @@ class Soak:
 
     def worker(self, seed: int) -> None:
         rng = random.Random(seed)
-        while time.monotonic() < self.stop_at:
-            with self.pool.session(timeout=120) as s:
+        env = PythonToolEnv(pool=self.pool, num_tasks=16, task_seed=seed, max_turns=8)
+        try:
+            while time.monotonic() < self.stop_at:
+                env.reset(seed=rng.randrange(1 << 30))
                 for _ in range(rng.randint(3, 6)):
-                    if rng.random() < self.hostile:
-                        s.run(HOSTILE[rng.choice(sorted(HOSTILE))], LIMITS)
-                        self._count("hostile")
-                        continue
+                    hostile = rng.random() < self.hostile
+                    code = HOSTILE[rng.choice(sorted(HOSTILE))] if hostile else rng.choice(BENIGN)
                     t = time.perf_counter()
-                    r = s.run(rng.choice(BENIGN), LIMITS)
-                    with self.lock:
-                        self.latencies.append(time.perf_counter() - t)
-                    self._count("benign" if r.ok else "benign_failed")
-            self._count("episodes")
+                    _, _, done, _, info = env.step(call(code))
+                    if hostile:
+                        self._count("hostile")
+                    else:
+                        with self.lock:
+                            self.latencies.append(time.perf_counter() - t)
+                        self._count("benign_failed" if info.get("tool_errors") else "benign")
+                        if info.get("tool_errors"):
+                            print("benign cell failed:", code, flush=True)
+                    if done:
+                        break
+                else:
+                    env.step("The answer is \\boxed{0}.")
+                self._count("episodes")
+        finally:
+            env.close()
 
     def _count(self, key: str) -> None:
         with self.lock:
@@ -107,7 +127,7 @@ def main(argv=None) -> int:
         lat = sorted(soak.take_latencies())
         if len(lat) >= 2:
             p99 = statistics.quantiles(lat, n=100)[98]
-            print(f"t={time.monotonic() - start:6.0f}s  benign cells {len(lat):5d}  p50 {statistics.median(lat) * 1e3:7.2f} ms"
+            print(f"t={time.monotonic() - start:6.0f}s  benign turns {len(lat):5d}  p50 {statistics.median(lat) * 1e3:7.2f} ms"
                   f"  p99 {p99 * 1e3:8.2f} ms  {soak.stats}", flush=True)
     pool.close()
     time.sleep(2.0)  # killed trees leave the process table and their cgroups are removed

@@ -11,7 +11,9 @@ Contract (on top of :class:`~agentenv.envs.tool_env.ToolEnv`):
   The session is started lazily at the first call and closed when the episode ends (final answer or turn limit),
   on ``reset``, on ``close`` and when the env is garbage-collected; episodes never share state. If a call kills the
   interpreter (timeout, memory), the next call gets a fresh one and the tool message says that state was lost.
-  With ``persistent=False`` every call is a fresh process (nothing carries over).
+  With ``persistent=False`` every call is a fresh process (nothing carries over). ``pool=`` a
+  :class:`~agentenv.sandboxes.SandboxPool` (its limits and backend; many envs may share one): each episode takes a
+  warm session from it at its first call and hands it back (its interpreter killed) when the episode ends.
 * The tool message is the call's stdout, then its stderr (tracebacks), then markers for what went wrong: a non-zero
   exit, a timeout, an exceeded memory / CPU limit, truncated output, a restarted interpreter. An empty output says
   so (and reminds the model to ``print``). As in a notebook, a trailing bare expression's repr is echoed. A call that is not ``ok`` (non-zero exit or any limit hit) counts as a
@@ -141,16 +143,22 @@ def builtin_tasks(n: int = 64, seed: int = 0) -> list[Task]:
 # --- the sandboxed interpreter --------------------------------------------------------------------------------------
 
 class _Slot:
-    """Holds the episode's sandbox session. Kept apart from the env so a finalizer can close it without the env."""
+    """Holds the episode's sandbox session (from ``pool`` when one is given, handed back at the episode's end).
+    Kept apart from the env so a finalizer can close it without the env."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: Any = None) -> None:
         self.session: Any = None
+        self.pool = pool
+
+    def open(self, sandbox: Any, timeout: float) -> Any:
+        self.session = sandbox.session() if self.pool is None else self.pool.acquire(timeout)
+        return self.session
 
     def close(self) -> None:
         session, self.session = self.session, None
         if session is not None:
             try:
-                session.close()
+                session.close() if self.pool is None else self.pool.release(session)
             except Exception:  # closing must never fail an episode; the sandbox reaps its own processes
                 pass
 
@@ -224,6 +232,7 @@ class PythonToolEnv(ToolEnv):
         limits: Any = None,
         require_isolation: bool = False,
         persistent: bool = True,
+        pool: Any = None,
         message_timeout_s: float | None = None,
         max_turns: int = 10,
         system_prompt: str | None = SYSTEM_PROMPT,
@@ -233,9 +242,11 @@ class PythonToolEnv(ToolEnv):
     ):
         from agentenv.sandboxes import Limits, make_sandbox  # the sandbox loads only when this env is made
 
-        self.limits = limits if limits is not None else Limits()
+        self.limits = limits if limits is not None else pool.sandbox.limits if pool is not None else Limits()
         if isinstance(self.limits, Mapping):
             self.limits = Limits(**self.limits)  # gym.make kwargs / YAML configs pass plain dicts
+        if pool is not None:
+            _check_pool(pool, self.limits, persistent, require_isolation)
         self.backend, self.persistent = backend, persistent
         if message_timeout_s is None:
             message_timeout_s = 2 * self.limits.timeout_s
@@ -244,7 +255,8 @@ class PythonToolEnv(ToolEnv):
             raise ValueError(f"message_timeout_s must be a positive number of seconds, got {message_timeout_s!r}")
         self.message_timeout_s = float(message_timeout_s)
         self._message_deadline = math.inf
-        self.sandbox = make_sandbox(backend, limits=self.limits, require_isolation=require_isolation)
+        self.sandbox = pool.sandbox if pool is not None else make_sandbox(
+            backend, limits=self.limits, require_isolation=require_isolation)
         state = ("Variables, imports and functions persist across calls within this conversation."
                  if persistent else "Each call starts a fresh interpreter: nothing carries over between calls.")
         # tool_doc replaces the tool's description (e.g. a terse one to keep a tiny model's prompt short).
@@ -261,12 +273,13 @@ class PythonToolEnv(ToolEnv):
                 **kwargs,
             )
         except BaseException:
-            self.sandbox.close()  # e.g. a bad task file: do not leak the sandbox we already made
+            if pool is None:
+                self.sandbox.close()  # e.g. a bad task file: do not leak the sandbox we already made
             raise
-        self._slot = _Slot()
-        # Closes the session and the sandbox (e.g. the subprocess backend's temp dir) when the env is
-        # garbage-collected or at interpreter exit, without keeping the env alive.
-        self._finalizer = weakref.finalize(self, _shutdown, self._slot, self.sandbox)
+        self._slot = _Slot(pool)
+        # Closes the session and the sandbox (e.g. the subprocess backend's temp dir; a pool's is its owner's) when
+        # the env is garbage-collected or at interpreter exit, without keeping the env alive.
+        self._finalizer = weakref.finalize(self, _shutdown, self._slot, self.sandbox if pool is None else None)
 
     def run_tools(self, action: str):
         """All calls of one message share ``message_timeout_s`` (see the module docstring)."""
@@ -285,9 +298,14 @@ class PythonToolEnv(ToolEnv):
         if left < limits.timeout_s:
             limits = limits.replace(timeout_s=left, cpu_s=min(limits.cpu_s, left))
         if self.persistent:
-            if self._slot.session is None:
-                self._slot.session = self.sandbox.session()
-            result = self._slot.session.run(code, limits)
+            session = self._slot.session
+            if session is None:
+                try:
+                    session = self._slot.open(self.sandbox, timeout=left)
+                except TimeoutError:
+                    return ToolOutput(f"[not run: no sandbox of the pool came free within {left:.3g} s]", error=True,
+                                      timeout=True)
+            result = session.run(code, limits)
         else:
             result = self.sandbox.run(code, limits)
         # An endless loop ends on the wall timeout or the CPU limit, whichever fires first: both are a timeout.
@@ -306,7 +324,27 @@ class PythonToolEnv(ToolEnv):
 
 def _shutdown(slot: _Slot, sandbox: Any) -> None:
     slot.close()
-    sandbox.close()
+    if sandbox is not None:
+        sandbox.close()
+
+
+def _check_pool(pool: Any, limits: Any, persistent: bool, require_isolation: bool) -> None:
+    """A pool serves persistent episodes whose fixed limits are the pool's (only timeout, CPU and output change
+    per call), and, when isolation is required, only a pool whose sandbox has every layer."""
+    from agentenv.sandboxes import SandboxPool, isolation_gaps
+
+    if not isinstance(pool, SandboxPool):
+        raise TypeError(f"pool must be an agentenv.sandboxes.SandboxPool, got {type(pool).__name__}")
+    if not persistent:
+        raise ValueError("pool= serves persistent sessions; with persistent=False leave it out (fresh runs take "
+                         "the sandbox's ready processes)")
+    fixed = {k for k in type(limits).__dataclass_fields__ if k not in ("timeout_s", "cpu_s", "max_output_bytes")
+             and getattr(limits, k) != getattr(pool.sandbox.limits, k)}
+    if fixed:
+        raise ValueError(f"limits {sorted(fixed)} differ from the pool's; make the pool with these limits")
+    gaps = isolation_gaps(pool.sandbox.name) if require_isolation else []
+    if gaps:
+        raise RuntimeError("require_isolation: the pool's sandbox runs without " + "; ".join(gaps))
 
 
 def _with_doc(method: Any, doc: str):

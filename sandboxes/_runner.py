@@ -5,8 +5,9 @@ Contract with the host (:mod:`agentenv.sandboxes.channel`):
 * First it lowers its own rlimits (address space, CPU, processes, file size, open files, no core dumps) before any
   untrusted code runs; lowered hard limits cannot be raised again by an unprivileged uid, and none is ever asked
   above the hard limit it inherited (a container's may be lower than the one requested). In a session the CPU soft
-  limit is re-armed per cell (``used + cpu_s``) and the hard limit stays open, so CPU is bounded per cell only
-  while the cell leaves the soft limit alone; the host's wall timeout is the bound that cannot be undone, and
+  limit is re-armed per cell (``used + cpu_s``) and the hard limit stays open (an unprivileged uid could not raise
+  it again for the next cell), so a cell can raise its soft limit: the bound that cannot be undone is the host's,
+  which meters the whole tree's CPU through its cgroup (:class:`.channel.CpuBudget`) besides the wall timeout, and
   a call ends only once the host has proved this runner back at its read (:mod:`agentenv.sandboxes.boundary`).
 * It resets SIGINT to the default action, so the interpreter catches no signal at all: a caught signal is a
   handler the cell installed, which tells the host to freeze the tree between cells.
@@ -14,20 +15,50 @@ Contract with the host (:mod:`agentenv.sandboxes.channel`):
   code that reads input gets EOF instead of the protocol.
 * User code runs in a fresh ``__main__`` module; its output goes straight to the real fd 1/2 (stdout line-buffered,
   so a cell killed by the wall timeout still shows what it printed).
-* MODE ``once``: run one cell like ``python file.py`` and exit with its status. An uncaught exception prints its
-  traceback, then ``\\0\\x1eAE<nonce>:<ExcName>\\0`` on stderr (the host strips it; it tells MemoryError apart).
+* MODE ``once``: run one cell like ``python file.py`` (exit status, ``SystemExit`` and an uncaught exception's
+  traceback as there), then, from an ``atexit`` handler registered before the cell ran (so after the cell's own
+  handlers and its non-daemon threads), write the end marker below. The host ends the run at that marker and
+  kills the tree, without waiting for the interpreter's teardown; a run that exits without it (``os._exit``, a
+  signal) ends at the exit.
 * MODE ``session``: run cells forever like notebook cells: a trailing expression is echoed via ``sys.displayhook``
   (like the REPL), ``SystemExit`` ends only the cell. After each cell it writes
-  ``\\0\\x1eAE<nonce>:<exit code>:<ExcName>\\0`` to stdout. Over pipes that one marker suffices: whatever this
-  thread wrote to stderr before is already in the stderr pipe, so the host drains it without waiting. MODE
-  ``session-mux`` (Docker, where both streams are re-multiplexed and may be reordered) also writes
-  ``\\0\\x1eAE<nonce>\\0`` to stderr first, and the host waits for both.
+  ``\\0\\x1eAE<nonce>:<exit code>:<ExcName>\\0`` to stdout (the exception's name tells MemoryError apart). Over
+  pipes that one marker suffices: whatever this thread wrote to stderr before is already in the stderr pipe, so
+  the host drains it without waiting. MODES
+  ``once-mux`` and ``session-mux`` (Docker, where both streams are re-multiplexed and may be reordered) also
+  write ``\\0\\x1eAE<nonce>\\0`` to stderr first, and the host waits for both.
 
 Only builtin modules (``posix``, not ``os``) and ``resource`` are imported up front: under ``-S`` a bare
 interpreter never imports ``os``, and a fresh sandbox should not pay for it unless the cell does.
 """
 import posix as os
 import sys
+
+
+def _end(tag, ended, mux, out, err, write=os.write):
+    """Flush what the cell printed, then mark the end of the cell (see the module docstring). ``write`` is bound
+    here, before any cell runs: a cell that replaces ``posix.write`` does not reach it."""
+    for stream in (sys.stdout, sys.stderr) if sys.stdout is out and sys.stderr is err else (
+            sys.stdout, sys.stderr, out, err):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    code, exc_name = ended
+    try:
+        if mux:
+            write(2, tag + b"\0")
+        write(1, tag + b":%d:%s\0" % (code, exc_name.encode()))
+    except OSError:  # the cell closed fd 1 or 2: the host ends the call at the exit instead
+        pass
+
+
+def _show_traceback(exc, source, filename):
+    import linecache
+    import traceback
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # drop this runner's own frame
+    traceback.print_exception(type(exc), exc, tb)
 
 
 def _main(argv):
@@ -38,7 +69,7 @@ def _main(argv):
     _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
 
     mode, as_bytes, cpu, nproc, fsize, nofile = argv[0], *map(int, argv[1:6])
-    once, mux = mode == "once", mode == "session-mux"
+    once, mux = mode.startswith("once"), mode.endswith("-mux")
     def cap(res, v):  # never above the hard limit we were given (a container's may be lower): that would raise
         hard = r.getrlimit(res)[1]
         v = v if hard == r.RLIM_INFINITY else min(v, hard)
@@ -56,25 +87,19 @@ def _main(argv):
     os.dup2(null, 0)
     os.close(null)
     sys.stdout.reconfigure(line_buffering=True)
-    out, err, write, write_err = sys.stdout, sys.stderr, os.write, os.write
+    out, err = sys.stdout, sys.stderr
     main = type(sys)("__main__")
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
     sys.argv = ["<cell>"]
     cells = armed = 0
 
-    def show_traceback(exc, source, filename):
-        import linecache
-        import traceback
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # drop this runner's own frame
-        traceback.print_exception(type(exc), exc, tb)
-
     while True:
         head = ctl.readline()
         if not head:
             os._exit(0)
         n, nonce, cell_cpu = head.split()
+        tag, ended = b"\0\x1eAE" + nonce, [1, ""]
         source = ctl.read(int(n)).decode("utf-8", "replace")
         cells += 1
         filename = "<cell>" if once else f"<cell-{cells}>"
@@ -85,6 +110,9 @@ def _main(argv):
                 r.setrlimit(r.RLIMIT_CPU, (soft, r.RLIM_INFINITY))
                 armed = soft
         code, exc_name = 0, ""
+        if once:  # registered before the cell runs: after its own handlers and its non-daemon threads; not in a fork
+            import atexit
+            atexit.register(lambda pid=os.getpid(): os.getpid() == pid and _end(tag, ended, mux, out, err))
         try:
             tree = compile(source, filename, "exec", _ast.PyCF_ONLY_AST)
             last = None
@@ -94,31 +122,19 @@ def _main(argv):
             if last is not None:
                 sys.displayhook(eval(compile(last, filename, "eval"), main.__dict__))
         except SystemExit as e:
-            if once:
-                raise
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             if not isinstance(e.code, (int, type(None))):
                 print(e.code, file=sys.stderr)
         except BaseException as e:
             code, exc_name = 1, type(e).__name__
             try:
-                show_traceback(e, source, filename)
+                _show_traceback(e, source, filename)
             except BaseException:  # e.g. MemoryError again while formatting: keep the name, lose the text
                 pass
-        for stream in (sys.stdout, sys.stderr) if sys.stdout is out and sys.stderr is err else (
-                sys.stdout, sys.stderr, out, err):
-            try:
-                stream.flush()
-            except BaseException:
-                pass
-        tag = b"\0\x1eAE" + nonce
+        ended[:] = [code & 0xFF if once else code, exc_name]  # what a process's exit status keeps of it
         if once:
-            if exc_name:
-                write_err(2, tag + b":" + exc_name.encode() + b"\0")
             sys.exit(code)
-        if mux:
-            write_err(2, tag + b"\0")
-        write(1, tag + b":%d:%s\0" % (code, exc_name.encode()))
+        _end(tag, ended, mux, out, err)
 
 
 _main(sys.argv[1:])

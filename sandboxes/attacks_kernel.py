@@ -10,6 +10,8 @@ What they pin down, precisely:
   namespace) nor of a sandbox's root-owned init (bubblewrap's), through ``/proc/<pid>/mem``; a process *may*
   read the memory of its own sandbox's processes of its uid there (its children, docker's init), as anywhere on
   Linux: one sandbox is one trust domain;
+* a sandbox cannot lock a file of the shared read-only ``/usr`` against other sandboxes or the host (``flock`` is
+  denied; an exclusive POSIX lock needs write access);
 * a session call ends only when its cell has: a forged end-of-cell marker does not end it early, and nothing a
   cell leaves behind -- a signal handler on a timer, a thread, a child -- gets CPU between two calls.
 
@@ -87,12 +89,22 @@ for pid in ($bystander_pid, 1):
     except (OSError, ValueError) as e:
         print("blocked", pid, type(e).__name__)
 """),
+    Attack("usr_lock", "no exclusive lock on a shared /usr file, so none blocks another sandbox (flock denied)", """
+import errno, fcntl, os, sys
+fd = os.open(os.path.realpath(sys.executable), os.O_RDONLY)
+for name, take in (("flock", lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)),
+                   ("lockf", lambda: fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB))):
+    try:
+        take()
+        print("ESCAPED took an exclusive", name, "lock on", sys.executable)
+    except OSError as e:
+        print("blocked", name, errno.errorcode.get(e.errno))
+"""),
     Attack("forged_marker", "a session call ends only when its cell has (a forged end-of-cell marker)", """
-import resource, sys, time
-runner = sys._getframe(1).f_locals
-tag = b"\\0\\x1eAE" + runner["nonce"]
-runner["write_err"](2, tag + b"\\0")  # the stderr marker too, for a backend that waits for both (docker)
-runner["write"](1, tag + b":0:\\0")
+import os, resource, sys, time
+tag = b"\\0\\x1eAE" + sys._getframe(1).f_locals["nonce"]  # the runner's own nonce, from its frame
+os.write(2, tag + b"\\0")  # the stderr marker too, for a backend that waits for both (docker)
+os.write(1, tag + b":0:\\0")
 resource.setrlimit(resource.RLIMIT_CPU, (100, resource.RLIM_INFINITY))
 end = time.monotonic() + 0.6
 while time.monotonic() < end:

@@ -59,11 +59,28 @@ def find_interpreter(pids: list[int]) -> int | None:
     return None
 
 
-class IdleProbe:
-    """Looks at one sandboxed interpreter (host pid ``pid``) whose cells arrive on the pipe with inode ``ino``."""
+def oldest_child(pids: list[int], init: int) -> int | None:
+    """The host pid, among ``pids``, of the earliest-started process other than ``init`` (a container's runner,
+    started by its init before any cell could fork)."""
+    best = None
+    for pid in pids:
+        if pid == init:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                start = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime
+        except (OSError, ValueError, IndexError):
+            continue
+        if best is None or (start, pid) < best:
+            best = (start, pid)
+    return None if best is None else best[1]
 
-    def __init__(self, pid: int, ino: int):
-        self.pid, self.pipe = pid, f"pipe:[{ino}]"
+
+class IdleProbe:
+    """Looks at one sandboxed interpreter (host pid ``pid``) whose cells arrive on ``pipe`` (``pipe:[<ino>]``)."""
+
+    def __init__(self, pid: int, pipe: str):
+        self.pid, self.pipe = pid, pipe
         self._status = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
         self._syscall = os.open(f"/proc/{pid}/syscall", os.O_RDONLY | os.O_CLOEXEC)
 
@@ -113,3 +130,42 @@ class IdleProbe:
         """With the cgroup frozen: is the main thread stopped inside a blocking read of the cell pipe? (On an
         architecture whose syscall numbers are not known here: True, the freeze alone still fences the cell.)"""
         return _READ is None or self._in_cell_read()
+
+
+class CellBoundary:
+    """The host's side of the boundary for one session's sandbox: its cgroup, how many tasks it holds at rest, and
+    ``locate() -> (interpreter host pid, cell pipe name) | None``, asked once, at the first end of a cell."""
+
+    def __init__(self, cgroup, rest_tasks: int, locate):
+        self.cgroup, self.rest_tasks, self.locate = cgroup, rest_tasks, locate
+        self._probe: IdleProbe | None = None
+
+    def _find(self) -> IdleProbe | None:
+        if self._probe is None:
+            found = self.locate()
+            if found is not None and found[0] is not None:
+                try:
+                    self._probe = IdleProbe(*found)
+                except OSError:  # it exited meanwhile
+                    return None
+        return self._probe
+
+    def at_rest(self) -> bool:
+        """Idle without a freeze when provable (~20 us), else freeze the whole tree (~0.3 ms) and require its
+        interpreter stopped in the cell read. False leaves the tree running."""
+        group = self.cgroup
+        if group.destroyed:
+            return True
+        if self._find() is None:
+            return False
+        if self._probe.idle(group.tasks() == self.rest_tasks):
+            return True
+        if group.freeze() and self._probe.frozen_at_read():
+            return True
+        group.thaw()
+        return False
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None

@@ -30,6 +30,9 @@ What each sandboxed process gets (and how):
   the group's OOM counter. A session call ends only once the interpreter is provably idle at the runner's read,
   and whatever a cell left able to run is frozen until the next cell (:mod:`.boundary`). Where cgroups or the seccomp filter are unavailable the sandbox still runs, after a loud
   warning (``cgroups=False`` / ``seccomp=False`` turn them off; ``True`` makes their absence an error).
+* ``ready`` (default 2) fresh sandboxes for the default limits are kept started ahead of need (:mod:`.ready`):
+  a ``run`` takes one that has its namespaces, cgroup and interpreter up, and a replacement starts in the
+  background, so a call pays the start only when calls come faster than starts.
 * The interpreter is the system ``/usr/bin/python3`` run as ``-S -I`` (no site, no user paths, no PYTHON* env),
   because ``/root/.pyenv`` is not reachable by an unprivileged uid. Any other interpreter must be readable and
   executable by "others" all along its path, and bind its prefix via ``ro_binds``.
@@ -124,8 +127,11 @@ class BubblewrapSandbox(Sandbox):
 
     def __init__(self, limits: Limits | None = None, *, python: str | None = None, uid: int | None = None,
                  ro_binds: tuple[str, ...] = (), bwrap: str | None = None, cpus: float = 1.0,
-                 cgroups: bool | None = None, seccomp: bool | None = None):
+                 cgroups: bool | None = None, seccomp: bool | None = None, ready: int = 2):
         super().__init__(limits)
+        if isinstance(ready, bool) or not isinstance(ready, int) or ready < 0:
+            raise ValueError(f"ready must be a count >= 0 of fresh sandboxes kept started (0: none), got {ready!r}")
+        self.ready_depth = ready
         if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
             raise ValueError(f"cpus must be a positive number of cores, got {cpus!r}")
         self.cpus = float(cpus)

@@ -11,7 +11,8 @@ Contract:
   in :data:`UNAVAILABLE` and logged as a loud warning once. It supports the unified hierarchy (v2: ``memory.max``,
   ``memory.swap.max = 0``, ``pids.max``, ``cpu.max``, ``cgroup.freeze``, ``cgroup.kill``, ``memory.events``) and
   the legacy one (v1: ``memory.limit_in_bytes`` and ``memory.memsw.limit_in_bytes`` (no swap), ``pids.max``,
-  ``cpu.cfs_quota_us``, ``freezer.state``, ``memory.oom_control``), detected from ``/proc/self/mountinfo``.
+  ``cpu.cfs_quota_us``, ``freezer.state``, ``memory.oom_control``, ``cpuacct.usage`` where mounted), detected
+  from ``/proc/self/mountinfo``.
 * Groups live under ``agentenv-<host pid>`` inside the host process's own cgroup for each controller, so whatever
   limits the host itself is under still apply, and two host processes never share a parent. Nothing outlives the
   host (:mod:`.reaper`): a watchdog process reaps the groups the moment the host dies, however it dies, and the
@@ -29,6 +30,7 @@ Contract:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import itertools
 import logging
@@ -47,7 +49,7 @@ UNAVAILABLE: str | None = None  # why cgroups are not used here (set by manager(
 CPU_PERIOD_US = 100_000
 EXTRA_PIDS = 3  # the outer bwrap, its PID-namespace init, and the interpreter itself before it forks anything
 REST_TASKS = 3  # the same three: a session with more tasks than this between cells left something running
-V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer", "cpuacct")  # cpuacct where mounted: the CPU meter
 V2_CONTROLLERS = ("memory", "pids", "cpu")
 
 
@@ -113,6 +115,7 @@ class Cgroup:
         self._oom_seen = self.oom_kills()
         self.frozen = False
         self._state_fd: int | None = None  # freezer.state / cgroup.events, opened at the first freeze
+        self._cpu_fd: int | None = None  # cpu.stat / cpuacct.usage, opened at the first read
         self.destroyed = False
 
     def join_argv(self, argv: list[str]) -> list[str]:
@@ -133,6 +136,18 @@ class Cgroup:
     def tasks(self) -> int:
         """Tasks (processes and threads) in the group now."""
         return int(os.pread(self._tasks_fd, 64, 0))
+
+    @property
+    def meters_cpu(self) -> bool:  # v1 needs a cpuacct hierarchy
+        return self.v2 or "cpuacct" in self.dirs
+
+    def cpu_seconds(self) -> float:
+        """CPU time every task of the group has used so far, exited ones included (v2: ``cpu.stat``)."""
+        if self._cpu_fd is None:
+            path = self.dirs["memory"] / "cpu.stat" if self.v2 else self.dirs["cpuacct"] / "cpuacct.usage"
+            self._cpu_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        raw = os.pread(self._cpu_fd, 4096, 0)
+        return int(raw.split(b"usage_usec ", 1)[1].split(b"\n", 1)[0]) / 1e6 if self.v2 else int(raw) / 1e9
 
     def new_oom_kill(self) -> bool:
         """True if an OOM kill happened since the last time this was asked (each kill is reported once)."""
@@ -167,13 +182,10 @@ class Cgroup:
         return True
 
     def thaw(self) -> None:
-        if not self.frozen:
-            return
-        if self.v2:
-            _write(self.dirs["memory"] / "cgroup.freeze", "0")
-        else:
-            _write(self.dirs["freezer"] / "freezer.state", "THAWED")
-        self.frozen = False
+        if self.frozen:
+            _write(*((self.dirs["memory"] / "cgroup.freeze", "0") if self.v2 else
+                     (self.dirs["freezer"] / "freezer.state", "THAWED")))
+            self.frozen = False
 
     def pids(self) -> list[int]:
         d = self.dirs["memory"] if self.v2 else self.dirs.get("pids", self.dirs["memory"])
@@ -188,10 +200,8 @@ class Cgroup:
             _write(self.dirs["memory"] / "cgroup.kill", "1")
         else:
             for pid in self.pids():
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         try:
             self.thaw()  # v1: a frozen task does not act on SIGKILL until it is thawed
         except OSError:
@@ -212,7 +222,7 @@ class Cgroup:
         if self.destroyed:
             return
         self.destroyed = True
-        for fd in (self._oom_fd, self._tasks_fd, self._state_fd):
+        for fd in (self._oom_fd, self._tasks_fd, self._state_fd, self._cpu_fd):
             if fd is not None:
                 os.close(fd)
 
@@ -304,7 +314,8 @@ def of_process(pid: int) -> Cgroup | None:
         own = _own_paths(Path(f"/proc/{pid}/cgroup").read_text())
         v1, v2 = _mounts()
         if all(c in v1 and c in own for c in ("memory", "pids", "freezer")):
-            return Cgroup(CgroupManager(1, {}), {c: _under(v1[c], own[c]) for c in ("memory", "pids", "freezer")})
+            used = [c for c in ("memory", "pids", "freezer", "cpuacct") if c in v1 and c in own]
+            return Cgroup(CgroupManager(1, {}), {c: _under(v1[c], own[c]) for c in used})
         if v2 is not None and "" in own:
             return Cgroup(CgroupManager(2, {}), {"memory": _under(v2, own[""])})
     except (OSError, ValueError):

@@ -19,8 +19,11 @@ from the host's interpreter), else ``python:3.11-slim`` (which the engine then p
 Code and output travel over one attach socket (Docker multiplexes stdout/stderr in 8-byte-header frames, decoded
 by :func:`demux`). Killing = ``remove(force=True)``, which takes every process in the container with it.
 Containers carry the label ``agentenv.sandbox=1`` so leftovers from a crashed host can be found and removed.
-A session's container is frozen after every cell through its own cgroup (found from its init's pid; where the host
-cannot reach it, nothing is frozen), so what a cell leaves running gets CPU only inside later calls.
+A session call ends only when the host proves the runner back at its read through the container's own cgroup (found
+from its init's pid) and ``/proc``, as for bubblewrap (:mod:`.boundary`), freezing the container when anything else
+could run; because the engine relays output with a delay, the host then flushes the streams with an empty cell (see
+:func:`.base._settle`). Where the host cannot reach the container's cgroup (a remote engine), nothing is proven or
+frozen and the end-of-cell marker is all there is.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import socket
 import struct
 
 from agentenv.sandboxes import cgroups
+from agentenv.sandboxes.boundary import CellBoundary, oldest_child
 from agentenv.sandboxes.base import RUNNER_SOURCE, Sandbox, runner_args
 from agentenv.sandboxes.seccomp_filter import docker_profile
 from agentenv.sandboxes.limits import Limits
@@ -72,7 +76,7 @@ def container_config(image: str, python: str, mode: str, limits: Limits, cpus: f
     """Keyword arguments for ``client.containers.create`` (pure, so the hardening is testable without an engine)."""
     from docker.types import LogConfig, Ulimit
 
-    mode = "session-mux" if mode == "session" else mode  # stdout/stderr may be reordered over the attach stream
+    mode += "-mux"  # stdout/stderr may be reordered over the attach stream: the runner marks the end of each
     args = runner_args(mode, limits.replace(max_processes=1 << 20))  # pids_limit is the process cap here
     return dict(
         image=image, command=[python, "-S", "-I", "-c", RUNNER_SOURCE, *args], stdin_open=True, tty=False,
@@ -86,12 +90,23 @@ def container_config(image: str, python: str, mode: str, limits: Limits, cpus: f
         log_config=LogConfig(type="none"), labels={LABEL: "1"})
 
 
+REST_TASKS = 2  # docker's init and the runner: a session with more tasks than this between cells left something
+
+
+def _locate(group, init: int) -> tuple[int | None, str] | None:
+    """The runner (the init's first child) and the cell pipe (the init's stdin, which the runner reads)."""
+    try:
+        return oldest_child(group.pids(), init), os.readlink(f"/proc/{init}/fd/0")
+    except OSError:
+        return None
+
+
 class DockerProc:
     """A started container behind the PipeProc interface (rfds/wfd/read/write/wait/kill/oom_killed)."""
 
     def __init__(self, client, config: dict, session: bool = False):
         self.container = client.containers.create(**config)
-        self.cgroup = None
+        self.cgroup = self.boundary = None
         try:
             sock = self.container.attach_socket(params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
             self.sock = getattr(sock, "_sock", sock)  # the SDK wraps the hijacked HTTP socket
@@ -99,7 +114,10 @@ class DockerProc:
             self.container.start()
             if session:  # the container's own cgroup, frozen between cells (where this host can reach it)
                 self.container.reload()
-                self.cgroup = cgroups.of_process(self.container.attrs["State"]["Pid"])
+                init = self.container.attrs["State"]["Pid"]
+                self.cgroup = cgroups.of_process(init)
+                if self.cgroup is not None:
+                    self.boundary = CellBoundary(self.cgroup, REST_TASKS, lambda: _locate(self.cgroup, init))
         except BaseException:
             self.container.remove(force=True)
             raise
@@ -108,7 +126,7 @@ class DockerProc:
         self.poller = select.poll()
         self.poller.register(self.wfd, select.POLLIN)
         self._buf = bytearray()
-        self.mux = True  # one stream carries both: the runner marks each (mode session-mux)
+        self.mux = True  # one stream carries both: the runner marks each (modes once-mux, session-mux)
         self.oom_killed = False
         self._gone = False
 
@@ -137,12 +155,11 @@ class DockerProc:
             return None
 
     def at_rest(self) -> bool:
-        """End of a session cell: freeze the container, so nothing a cell left behind gets CPU until the next
-        cell. Unlike bubblewrap there is no proof that the runner is back at its read (a cell that forges both
-        markers ends its call early, then runs only inside later calls)."""
-        if self.cgroup is not None and not self.cgroup.destroyed:
-            self.cgroup.freeze()
-        return True
+        """End of a session cell: the same proof as bubblewrap's (:mod:`.boundary`: the runner idle in its read of
+        the cell pipe, or the container frozen with the runner stopped there), through the container's own cgroup
+        and the engine's processes in this host's ``/proc``. Where the host cannot reach them (a remote engine)
+        there is no proof and the marker is all there is."""
+        return True if self.boundary is None else self.boundary.at_rest()
 
     def thaw(self) -> None:
         if self.cgroup is not None and not self.cgroup.destroyed:
@@ -152,6 +169,8 @@ class DockerProc:
         if self._gone:
             return
         self._gone = True
+        if self.boundary is not None:
+            self.boundary.close()
         if self.cgroup is not None:
             try:
                 self.cgroup.thaw()  # a frozen task acts on SIGKILL only once thawed (cgroup v1)
@@ -165,11 +184,7 @@ class DockerProc:
         except OSError:
             pass
         self.sock.close()
-        try:
-            self.container.kill()
-        except Exception:  # it already exited (docker.errors.APIError 409)
-            pass
-        try:
+        try:  # an OOM kill has happened by now if there was one; remove(force=True) kills: one API call less
             self.container.reload()
             self.oom_killed = bool(self.container.attrs["State"].get("OOMKilled"))
         except Exception:

@@ -30,7 +30,7 @@ import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from agentenv.sandboxes.boundary import IdleProbe, find_interpreter
+from agentenv.sandboxes.boundary import CellBoundary, find_interpreter
 
 _lock = threading.Lock()
 _live: set[PipeProc] = set()
@@ -75,7 +75,7 @@ class PipeProc:
             os.set_blocking(fd, False)
         self.mux = False  # separate pipes per stream: see channel.pump
         self._oom_at_kill = False
-        self._probe: IdleProbe | None = None  # set at the first end of cell
+        self.boundary = None if cgroup is None else CellBoundary(cgroup, rest_tasks, self._locate)
         with _lock:
             _live.add(self)
 
@@ -116,25 +116,14 @@ class PipeProc:
             return seen
         return self.cgroup.new_oom_kill()
 
+    def _locate(self) -> tuple[int | None, str]:
+        return find_interpreter(self.cgroup.pids()), f"pipe:[{os.fstat(self.wfd).st_ino}]"
+
     def at_rest(self) -> bool:
         """After an end-of-cell marker: is the interpreter provably back at the runner's read, with nothing else
-        able to run until the next cell (:mod:`.boundary`)? Idle without a freeze when provable (~20 us), else
-        the whole tree is frozen (~0.3 ms) and its interpreter must be stopped in that read. False leaves the tree
-        running. Without a cgroup there is no such proof: True, and cells are bounded only per call."""
-        group = self.cgroup
-        if group is None or group.destroyed:
-            return True
-        if self._probe is None:
-            pid = find_interpreter(group.pids())
-            if pid is None:
-                return False
-            self._probe = IdleProbe(pid, os.fstat(self.wfd).st_ino)
-        if self._probe.idle(group.tasks() == self.rest_tasks):
-            return True
-        if group.freeze() and self._probe.frozen_at_read():
-            return True
-        group.thaw()
-        return False
+        able to run until the next cell (:mod:`.boundary`)? False leaves the tree running. Without a cgroup there
+        is no such proof: True, and cells are bounded only per call."""
+        return True if self.boundary is None else self.boundary.at_rest()
 
     def thaw(self) -> None:
         if self.cgroup is not None and not self.cgroup.destroyed:
@@ -147,9 +136,8 @@ class PipeProc:
             pass
         if self.cgroup is not None and not self.cgroup.destroyed:
             self._oom_at_kill = self.cgroup.destroy()  # also the tasks that left the process group
-        if self._probe is not None:
-            self._probe.close()
-            self._probe = None
+        if self.boundary is not None:
+            self.boundary.close()
         try:
             self.popen.wait(5)
         except subprocess.TimeoutExpired:  # the leader is in uninterruptible sleep; the registry retries at exit

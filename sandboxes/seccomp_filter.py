@@ -18,6 +18,11 @@ Contract:
   exec protections (which also denies the 0xffffffff query, unused by Python); ``ioctl(TIOCSTI)`` /
   ``ioctl(TIOCLINUX)`` (typing into a terminal); Linux AIO (``io_setup`` and the rest: its pool is
   machine-wide).
+* ``flock`` fails with ``ENOLCK`` (no locks available): a BSD lock needs no write access, so on the read-only
+  ``/usr`` inodes every sandbox shares, one sandbox's exclusive lock would block (or signal to) another's. POSIX
+  record locks (``fcntl``/``lockf``, what sqlite uses) stay: an exclusive one needs a file open for writing,
+  which ``/usr`` never is here, and shared ones never block anyone (another sandbox can still *see* one with
+  ``F_GETLK``: a signal between two cooperating sandboxes, not interference with a third).
 * Sockets by allowlist: ``socket``/``socketpair`` succeed only for AF_UNIX, AF_INET and AF_INET6; every other
   family (AF_VSOCK, which network namespaces do not cover, AF_PACKET, AF_NETLINK, ...) fails with
   ``EAFNOSUPPORT``. Python starts and serves loopback without netlink.
@@ -98,6 +103,7 @@ def build_filter():
         f.add_rule(eperm, "personality", lib.Arg(0, lib.MASKED_EQ, flag, flag))
     for request in (TIOCSTI, TIOCLINUX):
         f.add_rule(eperm, "ioctl", lib.Arg(1, lib.MASKED_EQ, 0xFFFFFFFF, request))
+    f.add_rule(lib.ERRNO(errno.ENOLCK), "flock")
     no_family = lib.ERRNO(errno.EAFNOSUPPORT)
     for call in ("socket", "socketpair"):
         for family in DENIED_FAMILIES:
@@ -143,6 +149,7 @@ def docker_profile() -> dict:
     rules += [{"names": ["ioctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
                "args": [{"index": 1, "value": 0xFFFFFFFF, "valueTwo": request, "op": "SCMP_CMP_MASKED_EQ"}]}
               for request in (TIOCSTI, TIOCLINUX)]
+    rules += [{"names": ["flock"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOLCK}]
     rules += [{"names": ["socket", "socketpair"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EAFNOSUPPORT,
                "args": [{"index": 0, "value": v, "op": op}]}
               for v, op in [*((f, "SCMP_CMP_EQ") for f in DENIED_FAMILIES),

@@ -75,6 +75,31 @@ def test_state_persists_within_an_episode_but_not_across_episodes(env):
     assert "NameError" in obs and info["tool_errors"] == 1
 
 
+@pytest.mark.skipif(BWRAP_MISSING is not None, reason=f"bubblewrap unusable: {BWRAP_MISSING}")
+def test_envs_sharing_a_pool_take_warm_sessions_and_hand_them_back():
+    from agentenv.sandboxes import SandboxPool
+
+    with SandboxPool("bubblewrap", size=1, limits=LIMITS) as pool:
+        a, b = PythonToolEnv(pool=pool, num_tasks=4), PythonToolEnv(pool=pool, num_tasks=4)
+        assert a.limits == LIMITS and a.sandbox is pool.sandbox
+        a.reset(seed=0)
+        a.step(call("x = 41"))
+        assert a.step(call("x + 1"))[0] == "42"
+        b.reset(seed=0)
+        obs, _, _, _, info = b.step(call("print(1)"))  # the pool's one session is a's: b waits out its budget
+        assert obs.startswith("[not run: no sandbox of the pool") and info["tool_timeouts"] == 1
+        a.step("\\boxed{0}")  # a's episode ends: its session goes back, its interpreter killed
+        obs, _, _, _, info = b.step(call("print(x)"))
+        assert "NameError" in obs and info["tool_errors"] == 1
+        b.close()
+        a.close()
+        assert not pool.sandbox.closed  # the pool's owner closes it
+        with pytest.raises(ValueError, match="memory_mb"):
+            PythonToolEnv(pool=pool, limits=LIMITS.replace(memory_mb=512))
+        with pytest.raises(ValueError, match="persistent"):
+            PythonToolEnv(pool=pool, persistent=False)
+
+
 def test_crashing_code_is_observed_and_counted(env):
     env.reset(seed=0)
     obs, _, term, _, info = env.step(call("print('before')\n1/0"))

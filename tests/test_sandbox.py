@@ -86,6 +86,19 @@ def test_sink_strips_a_marker_split_across_reads_and_caps():
     assert plain.text() == "a\0b\0" and not plain.found
 
 
+def test_sink_strips_every_marker_keeps_the_last_status_and_awaits_a_flush():
+    """A cell can write its runner's marker itself: every copy is stripped, the last one (the runner's, written
+    just before its read) gives the status, and a flush tag is awaited on top."""
+    tag, flush = b"\0\x1eAEabc", b"\0\x1eAEf00"
+    s = Sink(100, tag)
+    s.feed(b"one" + tag + b":0:\0two" + tag[:3])
+    assert s.found and s.status == b":0:"
+    s.expect(flush)
+    assert not s.found
+    s.feed(tag[3:] + b":1:ValueError\0three" + flush + b":0:\0")
+    assert s.found and s.status == b":1:ValueError" and s.text() == "onetwothree"
+
+
 def test_bad_inputs(sb):
     with pytest.raises(TypeError):
         sb.run(b"print(1)")
@@ -96,6 +109,17 @@ def test_bad_inputs(sb):
 
 
 # ---- fresh runs ----------------------------------------------------------------------------------------------
+
+def test_fresh_run_ends_like_a_script_after_its_threads_and_atexit_handlers(sb):
+    """The end marker that ends a fresh run comes after what ``python file.py`` still runs at exit, and a forked
+    child that exits normally does not end its parent's run."""
+    r = sb.run("import atexit, os, sys, threading, time\n"
+               "if os.fork() == 0:\n    sys.exit(0)\nos.wait()\n"
+               "atexit.register(print, 'atexit')\n"
+               "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\n"
+               "print('main')\nsys.exit(259)")
+    assert r.stdout.split() == ["main", "thread", "atexit"] and r.exit_code == 3
+
 
 def test_fresh_run_basics(sb):
     r = sb.run("import sys\nprint('out')\nprint('err', file=sys.stderr)")
@@ -113,6 +137,23 @@ def test_fresh_run_basics(sb):
 def test_fresh_runs_share_nothing(sb):
     sb.run("open('/tmp/left', 'w').write('x')")
     assert "FileNotFoundError" in sb.run("open('/tmp/left').read()").stderr
+
+
+def test_ready_sandboxes_are_fresh_own_uid_and_die_with_their_sandbox():
+    sb = make_sandbox("bubblewrap", limits=FAST, ready=2)
+    assert sb.run("pass").ok and sb._ready._thread is None  # one run starts nothing extra
+    first = sb.run("import os\nopen('/tmp/left', 'w').write('x')\nprint(os.getuid())")
+    assert gone_soon(lambda: len(sb._ready._ready) < 2, timeout=30)  # the queue filled in the background
+    waiting = list(sb._ready._ready)
+    second = sb.run("import os\nprint(os.path.exists('/tmp/left'), os.getuid())")
+    assert second.stdout.split()[0] == "False" and second.stdout.split()[1] != first.stdout.strip()
+    assert sb.run("print(3)", FAST.replace(memory_mb=300)).stdout == "3\n"  # other limits: started at the call
+    tasks = [pid for p in waiting for pid in (p.cgroup.pids() if not p.cgroup.destroyed else [])]
+    assert tasks  # the one not taken yet is up, with its namespaces and interpreter
+    sb.close()
+    assert gone_soon(lambda: any(alive(pid) for pid in tasks)) and not sb._ready._ready
+    with pytest.raises(ValueError, match="ready must be"):
+        make_sandbox("bubblewrap", ready=-1)
 
 
 def test_large_code_and_unicode(sb):
@@ -184,6 +225,19 @@ def test_session_cpu_limit_is_per_cell(sb):
         s.run("t = sum(range(10**6))")
         r = s.run("while True: pass")
         assert r.cpu_exceeded and r.session_restarted and r.wall_time_s < 10
+
+
+def test_a_session_cell_that_raises_its_cpu_limit_is_stopped_by_the_host(sb):
+    """The runner's soft CPU limit is the cell's to raise (its hard limit must stay open for later cells); the host
+    meters the whole tree through its cgroup and ends the call at the CPU budget, long before its wall timeout."""
+    with sb.session(FAST.replace(cpu_s=1.0, timeout_s=30.0)) as s:
+        s.run("import resource, signal")
+        r = s.run("signal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+                  "resource.setrlimit(resource.RLIMIT_CPU, (1000, resource.RLIM_INFINITY))\n"
+                  "print('raised', flush=True)\n"
+                  "while True: pass")
+        assert r.stdout == "raised\n" and r.cpu_exceeded and r.session_restarted and not r.timed_out
+        assert s.run("print(2)").stdout == "2\n"
 
 
 def test_session_limits_that_are_fixed_at_start(sb):

@@ -19,10 +19,9 @@ LIM = Limits(timeout_s=6, cpu_s=3, memory_mb=128, max_processes=8)
 # Writes the runner's own end-of-cell marker (its nonce is in the runner's frame), raises its CPU soft limit,
 # then keeps computing for BURN_S of CPU: the old host returned "ok" at once and let it run on.
 FORGE = """
-import resource, sys, time
-runner = sys._getframe(1).f_locals
-tag = b"\\0\\x1eAE" + runner["nonce"]
-runner["write"](1, tag + b":0:\\0")
+import os, resource, sys, time
+tag = b"\\0\\x1eAE" + sys._getframe(1).f_locals["nonce"]
+os.write(1, tag + b":0:\\0")
 resource.setrlimit(resource.RLIMIT_CPU, (100, resource.RLIM_INFINITY))
 end = time.process_time() + BURN_S
 while time.process_time() < end:

@@ -103,14 +103,8 @@ def target():
     t.close()
 
 
-# The docker backend freezes a session after every cell but has no host view of its runner's read: a cell that
-# forges both end-of-cell markers ends its call early (it then runs only inside later calls).
-NOT_YET = {"forged_marker": "docker cannot prove its runner back at the read (bubblewrap can: sandboxes/boundary.py)"}
-
-
 @pytest.mark.docker
-@pytest.mark.parametrize("attack", [pytest.param(a, marks=pytest.mark.xfail(reason=NOT_YET[a.name], strict=True))
-                                    if a.name in NOT_YET else a for a in ATTACKS], ids=lambda a: a.name)
+@pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.name)
 def test_live_docker_contains_every_attack(docker_sandbox, target, attack):
     v = judge(docker_sandbox, attack, target)
     assert v.contained, f"{attack.guarantee}: {v.problems}\nstdout: {v.result.stdout[:500]}"

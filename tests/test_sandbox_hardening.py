@@ -3,6 +3,7 @@ and rlimits that never try to exceed a hard limit. Every check runs real sandbox
 what stops an attack, the same code is also run with that layer off to show the test can fail."""
 
 import ctypes
+import errno
 import os
 import shutil
 import subprocess
@@ -194,6 +195,30 @@ def test_ordinary_python_still_works_under_the_filter():
     assert r.stdout == "child\n3\n7\n" and r.ok, r
 
 
+def test_one_sandbox_cannot_lock_shared_usr_files_against_another():
+    """Two live sandboxes see the same /usr inodes: the first one's lock attempts must leave the second (and the
+    host) able to take an exclusive lock; POSIX locks on its own files still work (sqlite)."""
+    _need_seccomp()
+    import fcntl
+    hold = ("import fcntl, os, sys\nfd = os.open(os.path.realpath(sys.executable), os.O_RDONLY)\n"
+            "for take in (lambda: fcntl.flock(fd, fcntl.LOCK_EX), lambda: fcntl.lockf(fd, fcntl.LOCK_SH)):\n"
+            "    try:\n        take()\n        print('held')\n    except OSError as e:\n"
+            "        print('refused', e.errno)\n")
+    probe = ("import fcntl, os, sys\nfd = os.open(os.path.realpath(sys.executable), os.O_RDONLY)\n"
+             "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n    print('free')\n"
+             "except OSError as e:\n    print('blocked', e.errno)\n")
+    sb = _quiet()
+    with sb.session() as a, sb.session() as b:
+        assert a.run(hold).stdout.split() == ["refused", str(errno.ENOLCK), "held"]  # flock denied; a shared lockf
+        assert b.run(probe).stdout.split() == ["blocked", str(errno.ENOLCK)]  # not by a, by the filter
+        with open(os.path.realpath("/usr/bin/python3"), "rb") as f:  # the host: nothing holds it
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_UN)
+        r = b.run("import sqlite3\ndb = sqlite3.connect('/tmp/x.db')\ndb.execute('create table t (x)')\n"
+                  "db.execute('insert into t values (1)')\ndb.commit()\nprint(db.execute('select x from t').fetchall())")
+        assert r.stdout == "[(1,)]\n", r.stderr
+
+
 def test_the_filter_is_a_real_bpf_program():
     _need_seccomp()
     prog = seccomp_filter.bpf()
@@ -255,3 +280,23 @@ def test_cgroup_paths_are_found_on_v1_and_v2_hosts():
     assert v2 is None and set(v1) == {"cpu", "memory", "pids"} and own["cpuacct"] == "/x"
     assert str(cgroups._under(v1["memory"], own["memory"])) == "/sys/fs/cgroup/memory/job"  # mount root stripped
     assert str(cgroups._under(v1["cpu"], own["cpu"])) == "/sys/fs/cgroup/cpu/x"
+
+
+def test_a_groups_cpu_is_metered_on_v1_and_v2(tmp_path):
+    """The CPU meter that bounds a call's CPU from outside: a live v1 group here, and a v2 group's files."""
+    _need_cgroups()
+    m = cgroups.manager()
+    g = m.create(64 << 20, 8, 1.0)
+    try:
+        if not g.meters_cpu:
+            pytest.skip("this v1 host mounts no cpuacct controller")
+        subprocess.run(g.join_argv(["/usr/bin/python3", "-S", "-I", "-c", "sum(range(3 * 10**6))"]), check=True)
+        assert g.cpu_seconds() > 0.01
+    finally:
+        g.destroy()
+    for name, text in (("memory.events", "oom_kill 0\n"), ("pids.current", "1\n"),
+                       ("cpu.stat", "usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n")):
+        (tmp_path / name).write_text(text)
+    v2 = cgroups.Cgroup(cgroups.CgroupManager(2, {}), {"memory": tmp_path})
+    assert v2.meters_cpu and v2.cpu_seconds() == 2.5
+    v2.release()

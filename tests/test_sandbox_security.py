@@ -32,14 +32,7 @@ def bwrap():
         yield sb
 
 
-# A known hole, not a pass: in one fresh-clone CI run of two (2026-12-06) the forged end-of-cell marker ended the
-# first call while its cell still ran, under CPU load; the boundary proof (sandboxes/boundary.py) has a race not yet
-# found. Non-strict so CI can land while it is open; `agentenv sandbox check` still reports it when it escapes.
-_OPEN = {"forged_marker": "forged marker escapes the cell boundary under load (race in the /proc proof, open)"}
-
-
-@pytest.mark.parametrize("attack", [pytest.param(a, marks=pytest.mark.xfail(reason=_OPEN[a.name], strict=False))
-                                    if a.name in _OPEN else a for a in ATTACKS], ids=lambda a: a.name)
+@pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.name)
 def test_attack_is_contained(bwrap, target, attack):
     v = judge(bwrap, attack, target)
     assert v.contained, f"{attack.guarantee}: {v.problems}\nstdout: {v.result.stdout[:500]}"
