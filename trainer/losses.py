@@ -14,7 +14,7 @@ Contract:
   A NaN value (weight 0 for a mean) means "no such token in this micro-batch" and is left out of the merge.
 * Adding a loss = one registered function here + a preset variant (``algo: {loss: NAME}``).
 
-The objectives themselves (the math, hand-checked in tests) live in :mod:`agentenv.trainer.loss`.
+The objectives themselves (the math, hand-checked in tests) live in :mod:`agentenv.trainer.objectives`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Callable
 from torch import Tensor
 
 from .batch import Batch
-from .loss import FullBatch, flashreinforce_loss, group_advantages, grpo_loss
+from .objectives import FullBatch, flashreinforce_loss, group_advantages, grpo_loss
 
 
 @dataclass(frozen=True)
