@@ -128,16 +128,23 @@ def launch_plan(cfg: RunConfig) -> dict:
         "rollout": {"workers": cfg.loop.num_workers, "episodes_in_flight": cfg.loop.num_workers * cfg.loop.concurrency,
                     "ray_address": cfg.launch.ray_address or ("local cluster" if cfg.loop.backend == "ray" else None),
                     "vllm_tensor_parallel": cfg.launch.vllm_tensor_parallel if vllm else None},
-        "algorithm": {"loss": cfg.algo.loss, "mode": cfg.loop.mode,
+        "algorithm": {"loss": _loss_options(cfg.algo.loss), "mode": cfg.loop.mode,
                       "batch": f"{cfg.loop.batch_size // cfg.loop.group_size} prompts x {cfg.loop.group_size} samples",
-                      "delta": "inf (no_trust)" if cfg.algo.no_trust else cfg.algo.delta,
-                      "failure_filter_q": cfg.algo.negative_token_fraction, "lr": cfg.algo.lr,
+                      "lr": cfg.algo.lr,
                       "schedule": cfg.algo.schedule, "updates": cfg.loop.total_updates,
                       "average_last_updates": min(cfg.algo.average_last_updates, cfg.loop.total_updates)},
         "checks": checks,
         "notes": notes,
         "run_dir": cfg.run.dir or f"runs/{cfg.run.name}-<time>",
     }
+
+
+def _loss_options(loss) -> dict:
+    """The loss section as the plan shows it (the gate off reads "inf (no_trust)")."""
+    out = loss.model_dump(mode="json")
+    if out.pop("no_trust", False):
+        out["delta"] = "inf (no_trust)"
+    return out
 
 
 def _max_positions(model_path: str | None) -> int | None:
@@ -185,7 +192,8 @@ def print_plan(cfg: RunConfig, plan: dict, out=print) -> int:
     else:
         out("sampler  transformers (HFPolicy)")
     a = plan["algorithm"]
-    out(f"algo     {a['loss']} {a['mode']}: {a['batch']} per update, delta={a['delta']}, q={a['failure_filter_q']}, "
+    loss = " ".join(f"{k}={v}" for k, v in a["loss"].items() if k != "type")
+    out(f"algo     {a['loss']['type']} ({loss}) {a['mode']}: {a['batch']} per update, "
         f"lr={a['lr']} ({a['schedule']}), {a['updates']} updates"
         + (f"; final weights = mean over the last {a['average_last_updates']}" if a.get("average_last_updates") else ""))
     for item in plan["checks"]:

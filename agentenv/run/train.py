@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentenv.core.config import RunConfig
+from agentenv.core.config import FlashReinforceLoss, RunConfig
 from agentenv.run.plan import LaunchError, launch_plan, preflight, print_plan
 
 log = logging.getLogger("agentenv.run.train")
@@ -234,11 +234,13 @@ def _check_truncated_sampling(cfg: RunConfig, model_path: str, device: str) -> N
 
     model = load_learner_model(model_path).to(device)
     tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    # a loss without a trust gate (grpo) is measured against the default gate: its ratios are as biased
+    delta = getattr(cfg.algo.loss, "delta", FlashReinforceLoss().delta)
     acceptance, kl = lag0_trust_check(model, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                      delta=cfg.algo.delta)
+                                      delta=delta)
     del model
     msg = (f"rollout.top_k={r.top_k} / top_p={r.top_p}: at lag 0 the trust gate admits {acceptance:.0%} of sampled "
-           f"sequences (mean sequence KL {kl:.3g} vs delta {cfg.algo.delta:g}), because mu is the truncated "
+           f"sequences (mean sequence KL {kl:.3g} vs delta {delta:g}), because mu is the truncated "
            "distribution and pi the full one. FlashREINFORCE wants top_k=0, top_p=1.")
     if acceptance < 0.5 and not cfg.algo.allow_truncated_sampling:
         raise LaunchError(msg + " Set algo.allow_truncated_sampling=true to run anyway.")
