@@ -139,15 +139,22 @@ def _add_config_args(p, *, env_required: bool = False) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
 
 
-# The built-in tiny model runs on this CPU: a paper preset's cluster layout and lengths are resized for it (before
-# --set, so any of these can be set back). `--dry-run` prints the result.
-TINY_CPU_OVERRIDES = {
-    "model.backend": "hf", "model.dtype": "float32", "model.gradient_checkpointing": "false",
-    "loop.backend": "local", "loop.num_workers": 1, "launch.gpus": 0, "launch.vllm_engines": 0,
-    "launch.worker_num_gpus": 0,
-    "launch.learner_world_size": 1, "algo.max_tokens_per_microbatch": "null", "rollout.max_new_tokens": 128,
-    "rollout.max_generated_tokens": "null", "eval.episodes": 8, "eval.samples": 1,
-}
+CPU_VARIANT = "cpu"  # a GPU preset's own resizing for this CPU (configs/alfworld.yaml), applied for --model tiny
+
+
+def _cpu_variant(preset: str, model: str | None) -> list[str]:
+    """``[CPU_VARIANT]`` when ``--model`` runs on the CPU (tiny, expert) and the preset's own model does not: the
+    preset says how it shrinks. A preset made for the CPU (demo, alfworld_demo) keeps its own lengths and eval plan
+    when one tiny model is swapped for another."""
+    from agentenv.core.config import load_config, preset_variants
+    from agentenv.samplers.models import is_tiny
+
+    def on_cpu(name: str) -> bool:
+        return is_tiny(name) or name == "expert"
+
+    if not model or not on_cpu(model) or CPU_VARIANT not in preset_variants(str(preset)):
+        return []
+    return [] if on_cpu(load_config(preset).model.name) else [CPU_VARIANT]
 
 
 def _config_from_args(args, default_preset: str | None = None):
@@ -178,18 +185,9 @@ def _config_from_args(args, default_preset: str | None = None):
     model = getattr(args, "model", None)
     if model:
         pre.append(f"model.name={model}")
-        from agentenv.core.config import find_preset, read_yaml
-        from agentenv.samplers.models import is_tiny
-
-        preset_model = read_yaml(find_preset(str(preset))).get("model")
-        preset_model = str(preset_model.get("name", "")) if isinstance(preset_model, dict) else ""
-        # Resize only a paper preset: a preset already made for the CPU (demo, alfworld_demo) keeps its own lengths
-        # and eval plan when one tiny model is swapped for another.
-        if (is_tiny(model) or model == "expert") and not (is_tiny(preset_model) or preset_model == "expert"):
-            pre += [f"{k}={v}" for k, v in TINY_CPU_OVERRIDES.items()]
     if getattr(args, "run_dir", None):
         pre.append(f"run.dir={args.run_dir}")
-    return load_config(preset, args.variant, pre + list(args.overrides))
+    return load_config(preset, _cpu_variant(preset, model) + list(args.variant), pre + list(args.overrides))
 
 
 def _add_run(sub) -> None:

@@ -117,3 +117,5 @@ def test_swapping_the_tiny_model_of_a_cpu_preset_keeps_its_plan():
     assert swapped.eval == demo.eval and swapped.algo == demo.algo
     paper = _config_from_args(build_parser().parse_args(["run", "--env", "alfworld", "--model", "tiny"]))
     assert paper.rollout.max_new_tokens == 128 and paper.loop.backend == "local" and paper.eval.episodes == 8
+    assert paper.variants == ["cpu"]  # the preset's own resizing, recorded with the run
+    assert (swapped.variants, demo.variants) == ([], [])

@@ -112,14 +112,18 @@ VARIANTS = {
                  "token_mean": {"algo.loss.token_mean": True}, "negative_q09": {"algo.loss.negative_token_fraction": 0.9},
                  "negative_q02": {"algo.loss.negative_token_fraction": 0.2},
                  "negative_q00": {"algo.loss.negative_token_fraction": 0.0},
-                 "grpo": {"algo.loss.type": "grpo", "loop.mode": "sync_grpo", "loop.batch_size": 64, "loop.group_size": 8}},
+                 "grpo": {"algo.loss.type": "grpo", "loop.mode": "sync_grpo", "loop.batch_size": 64, "loop.group_size": 8},
+                 "cpu": {"model.backend": "hf", "loop.backend": "local", "launch.gpus": 0,
+                         "rollout.max_new_tokens": 128, "eval.episodes": 8}},
     "python_tool": {"no_trust": {"algo.loss.no_trust": True}, "no_is": {"algo.loss.no_is": True},
                     "token_mean": {"algo.loss.token_mean": True}, "negative_q09": {"algo.loss.negative_token_fraction": 0.9},
                     "negative_q02": {"algo.loss.negative_token_fraction": 0.2},
                     "negative_q00": {"algo.loss.negative_token_fraction": 0.0},
                     "constant_length": {"algo.loss.constant_length": 6144},
                     "grpo": {"algo.loss.type": "grpo", "loop.mode": "sync_grpo", "loop.batch_size": 128,
-                             "loop.group_size": 4}},
+                             "loop.group_size": 4},
+                    "cpu": {"model.backend": "hf", "loop.backend": "local", "launch.gpus": 0,
+                            "rollout.max_new_tokens": 128, "eval.episodes": 8}},
 }
 
 
