@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.core.config import FlashReinforceLoss, RunConfig
-from agentenv.run.plan import LaunchError, launch_plan, preflight, print_plan
+from agentenv.run.plan import LaunchError, LaunchPlan, launch_plan, preflight, print_plan
 
 log = logging.getLogger("agentenv.run.train")
 
@@ -44,19 +44,19 @@ def dry_run(cfg: RunConfig, out=print) -> int:
     return print_plan(cfg, launch_plan(cfg), out)
 
 
-def policy_factory(cfg: RunConfig, model_path: str, plan: dict):
+def policy_factory(cfg: RunConfig, model_path: str, plan: LaunchPlan):
     """A picklable ``make_policy(worker_index)`` for the sampler the plan names (weights in the compute dtype)."""
     from agentenv.samplers.factory import sampler_factory
 
-    dtype = plan["components"]["learner"]["compute_dtype"]
-    if plan["components"]["sampler"] == "vllm":
+    dtype = plan.components.learner.compute_dtype
+    if plan.components.sampler == "vllm":
         return sampler_factory(model_path, "vllm", seed=cfg.loop.seed, dtype=dtype,
                                gpu_memory_utilization=cfg.launch.vllm_gpu_memory_utilization,
                                tensor_parallel=cfg.launch.vllm_tensor_parallel,
-                               enable_sleep_mode=plan["sleep_samplers_during_update"],
+                               enable_sleep_mode=plan.sleep_samplers_during_update,
                                max_model_len=cfg.rollout.max_total_tokens)
-    return sampler_factory(model_path, "hf", seed=cfg.loop.seed, device=plan["device"],
-                           dtype=dtype if plan["device"].startswith("cuda") else "float32")
+    return sampler_factory(model_path, "hf", seed=cfg.loop.seed, device=plan.device,
+                           dtype=dtype if plan.device.startswith("cuda") else "float32")
 
 
 def make_run_dir(cfg: RunConfig) -> Path:
@@ -106,18 +106,18 @@ class Run:
         cfg = self.cfg
         self.plan = plan = launch_plan(cfg)
         preflight(plan)
-        for note in plan["notes"]:
+        for note in plan.notes:
             log.warning("%s", note)
-        if plan["context_tokens"] < cfg.rollout.max_total_tokens:  # the model's positions cap the context
+        if plan.context_tokens < cfg.rollout.max_total_tokens:  # the model's positions cap the context
             cfg = self.cfg = cfg.model_copy(deep=True)
-            cfg.rollout.max_total_tokens = plan["context_tokens"]
+            cfg.rollout.max_total_tokens = plan.context_tokens
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.run_dir = run_dir = make_run_dir(cfg)
-        (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
+        (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
         self.echo(f"run dir: {run_dir}  (config.yaml, plan.json saved)")
         self.t_start = time.perf_counter()
-        self.model_path = plan["model"]["path"]
+        self.model_path = plan.model.path
         if cfg.sft.enabled and not eval_only:  # warm start (a resumed run reuses it)
             sft_dir = run_dir / "sft_model"
             self.model_path = str(sft_dir if self.resume and (sft_dir / "config.json").exists()
@@ -142,7 +142,7 @@ class Run:
         self.evaluate(self.make_policy(0), 0)
         self.logger.close()
         summary = {"eval_only": True, "evals": self.evals,
-                   "components": {"sampler": self.plan["components"]["sampler"]}}
+                   "components": {"sampler": self.plan.components.sampler}}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return RunResult(self.run_dir, summary, [], self.evals)
 
@@ -179,8 +179,8 @@ class Run:
         from agentenv.trainer.loop import Trainer
 
         cfg, plan = self.cfg, self.plan
-        _check_truncated_sampling(cfg, self.model_path, plan["device"])
-        self.learner = make_learner(cfg, self.model_path, device=plan["device"])
+        _check_truncated_sampling(cfg, self.model_path, plan.device)
+        self.learner = make_learner(cfg, self.model_path, device=plan.device)
         episodes = EpisodeSet.of(cfg)
         if self.progress:
             from tqdm import tqdm
@@ -192,12 +192,12 @@ class Run:
             make_policy=self.make_policy, learner=self.learner, tasks=episodes.tasks, run_dir=self.run_dir,
             resume=self.resume, metrics=self.logger, on_update=self.on_update,
             save_trajectories=cfg.run.save_trajectories,
-            sleep_samplers_during_update=plan["sleep_samplers_during_update"])
+            sleep_samplers_during_update=plan.sleep_samplers_during_update)
         if cfg.eval.at_start and not self.resume:
             self.evaluate(self.current_weights_policy(), trainer.step)  # the starting weights
         try:
             with shared_cpu_threads(cfg.loop.mode == "async" and cfg.loop.backend == "local"
-                                    and cfg.model.backend == "hf" and str(plan["device"]).startswith("cpu")):
+                                    and cfg.model.backend == "hf" and plan.device.startswith("cpu")):
                 summary = trainer.run()
         finally:
             if self.bar is not None:
