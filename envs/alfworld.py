@@ -41,8 +41,8 @@ Contract
   ``success``. With ``expert=True`` it also has ``expert_action``: the next command of the game's stored walkthrough
   while the episode's game state is the one the walkthrough expects, else of a fresh plan from TextWorld's PDDL
   planner (fast-downward) for the current state. :mod:`agentenv.envs.alfworld_expert` plays it.
-* :func:`evaluate` plays every game of a split ``k`` times with a :class:`~agentenv.core.policy.TextPolicy` and reports
-  success overall and per task type.
+* Evaluation is the common one (:func:`agentenv.run.evaluation.evaluate` on the ``alfworld`` preset): every game of a
+  split (:meth:`ALFWorldEnv.task_options`, in sorted order) ``eval.samples`` times, success overall and per task type.
 """
 
 from __future__ import annotations
@@ -693,67 +693,3 @@ class ALFWorldEnv(TextEnv):
         if self._plan_pos >= len(self._plan):
             return None  # the planner found no plan from here
         return self._plan[self._plan_pos]
-
-
-# ------------------------------------------------------------------------------------------------------ evaluation
-def evaluation_tasks(split: str, k: int = 1, data_dir: str | os.PathLike | None = None, task_types: Iterable[str] | None = None) -> list:
-    """Every game of ``split`` ``k`` times, in the split's sorted order: runtime :class:`~agentenv.core.runtime.EpisodeSpec`
-    objects with ``options={"game": index}`` and ``meta={"game": index, "sample": j}``."""
-    from agentenv.core.runtime import EpisodeSpec
-
-    if k < 1:
-        raise ValueError(f"k (samples per game) must be >= 1, got {k}")
-    n = len(list_games(split, data_dir, task_types))
-    return [EpisodeSpec(options={"game": i}, meta={"game": i, "sample": j}) for i in range(n) for j in range(k)]
-
-
-def success_report(trajectories: Iterable) -> dict:
-    """Success overall and per task type for trajectories of one split (anything with ``success``/``task_type``)."""
-    report: dict = {"episodes": 0, "successes": 0, "by_task_type": {}}
-    for t in trajectories:
-        for bucket in (report, report["by_task_type"].setdefault(t.task_type, {"episodes": 0, "successes": 0})):
-            bucket["episodes"] += 1
-            bucket["successes"] += int(bool(t.success))
-    for bucket in (report, *report["by_task_type"].values()):
-        bucket["success_rate"] = bucket["successes"] / bucket["episodes"] if bucket["episodes"] else 0.0
-    report["by_task_type"] = dict(sorted(report["by_task_type"].items(), key=lambda kv: str(kv[0])))
-    return report
-
-
-def evaluate(
-    policy,
-    splits: Iterable[str] = ("valid_seen", "valid_unseen"),
-    k: int = 1,
-    data_dir: str | os.PathLike | None = None,
-    max_turns: int = 50,
-    invalid_action_budget: int | None = 10,
-    concurrency: int = 1,
-    rollout_config=None,
-    progress: bool = False,
-) -> dict:
-    """Play every game of each split ``k`` times with ``policy`` through :mod:`agentenv.core.runtime` and return
-    ``{split: success_report(...) + {"trajectories": [...], "wall_time_s": ...}}``.
-
-    ``policy`` is a token-level :class:`~agentenv.core.policy.Policy` or a :class:`~agentenv.core.policy.TextPolicy`; a policy
-    with an ``env_kwargs`` attribute (the expert's ``{"expert": True}``) gets those passed to the env. The runtime's
-    turn limit is set above the env's, so the env's ``max_turns`` is the one that ends episodes."""
-    import time
-
-    from agentenv.core.runtime import RolloutConfig, run_episodes
-
-    cfg = rollout_config or RolloutConfig()
-    cfg.max_turns, cfg.concurrency = max(cfg.max_turns, max_turns + 1), concurrency
-    env_kwargs = dict(getattr(policy, "env_kwargs", {}))
-    out = {}
-    for split in splits:
-        split = canonical_split(split)
-
-        def make_env(split=split):
-            return ALFWorldEnv(split, data_dir, max_turns=max_turns, invalid_action_budget=invalid_action_budget, **env_kwargs)
-
-        tasks = evaluation_tasks(split, k, data_dir)
-        t0 = time.perf_counter()
-        trajs = run_episodes(make_env, policy, len(tasks), cfg, tasks=tasks, progress=progress)
-        trajs.sort(key=lambda t: (t.meta["game"], t.meta["sample"]))  # the runtime yields in completion order
-        out[split] = {**success_report(trajs), "trajectories": trajs, "wall_time_s": time.perf_counter() - t0}
-    return out
