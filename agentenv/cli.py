@@ -2,7 +2,8 @@
 
 Subcommands: ``demo`` (SFT warm start + FlashREINFORCE on a built-in tool task, on CPU, no download), ``run``
 (train from a preset in ``configs/``), ``sft``, ``eval``, ``plot``, ``list``, ``rollout`` and the ``sandbox`` tools.
-Subcommands are added by small ``add_*`` functions, one per area, so each stays next to the code it drives.
+Subcommands are added by small ``add_*`` functions, one per area, so each stays next to the code it drives
+(``rollout`` and ``sandbox`` by their own modules, :mod:`agentenv.run.rollout` and :mod:`agentenv.sandboxes.cli`).
 Exit codes: 0 ok, 1 a check failed, 2 bad usage / missing model or data, 130 interrupted.
 """
 
@@ -10,122 +11,9 @@ Exit codes: 0 ok, 1 a check failed, 2 bad usage / missing model or data, 130 int
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-import time
-
-
-def _add_rollout(sub) -> None:
-    p = sub.add_parser("rollout", help="run N episodes of a policy in an env and write trajectories to JSONL",
-                       description="Run episodes and write one trajectory per line (see agentenv.core.trajectory).")
-    p.add_argument("--env", required=True, help="env alias (guess, python, alfworld), gymnasium id, or MODULE:ENV_ID")
-    p.add_argument("--model", default="tiny", help="'tiny', 'expert', a local checkpoint dir, or an alias like qwen2.5-7b")
-    p.add_argument("--episodes", type=int, default=8)
-    p.add_argument("--out", default="rollouts.jsonl", help="output JSONL path")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off (passed explicitly; no library default applies)")
-    p.add_argument("--max-turns", type=int, default=None,
-                   help="runtime turn limit (default: none of its own; the env's limit applies, e.g. ALFWorld's 50)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="per assistant turn")
-    p.add_argument("--max-total-tokens", type=int, default=4096, help="whole trajectory")
-    p.add_argument("--concurrency", type=int, default=8, help="episodes in flight")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--split", default=None, help="dataset split for envs that have one (alfworld: train, valid_seen, "
-                   "valid_unseen); episodes then walk the split's games in order (k = ceil(episodes / games) each)")
-    p.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra keyword argument for the env constructor (JSON values allowed); repeatable")
-    p.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="sampler backend for LLM policies")
-    p.set_defaults(func=cmd_rollout)
-
-
-def parse_kv(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise SystemExit(f"expected KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
-
-
-def build_policy(model: str, env_id: str, *, seed: int = 0, backend: str = "hf"):
-    """'expert' -> the env's scripted expert; anything else -> a sampler over a resolved checkpoint."""
-    if model == "expert":
-        import importlib
-
-        from agentenv.envs import EXPERTS
-
-        if env_id not in EXPERTS:
-            raise SystemExit(f"environment {env_id} has no scripted expert; experts exist for: {', '.join(EXPERTS)}")
-        module, factory = EXPERTS[env_id].split(":")
-        return getattr(importlib.import_module(module), factory)()
-    from agentenv.samplers.factory import sampler_factory
-
-    if backend == "vllm":  # one engine in this process, with vLLM's own default memory share
-        return sampler_factory(model, "vllm", seed=seed, gpu_memory_utilization=0.9)(0)
-    return sampler_factory(model, "hf", seed=seed)(0)
-
-
-def cmd_rollout(args) -> int:
-    import math
-
-    import gymnasium as gym
-
-    import agentenv  # noqa: F401  (registers envs)
-    from agentenv.envs import spec
-    from agentenv.core.metrics import batch_metrics
-    from agentenv.samplers.models import ModelNotAvailable
-    from agentenv.core.policy import SamplingParams
-    from agentenv.core.runtime import EpisodeSpec, RolloutConfig
-    from agentenv.core.trajectory import JsonlWriter
-
-    try:
-        env_id = spec.resolve(args.env)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    env_kwargs = parse_kv(args.env_arg)
-    if args.split is not None:
-        env_kwargs["split"] = args.split
-    try:
-        policy = build_policy(args.model, env_id, seed=args.seed, backend=args.backend)
-    except ModelNotAvailable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    env_kwargs = {**getattr(policy, "env_kwargs", {}), **env_kwargs}  # e.g. the ALFWorld expert needs expert=True
-    tasks = [EpisodeSpec(seed=args.seed + i) for i in range(args.episodes)]
-    if args.split is not None:  # walk the split's tasks in order, k = ceil(episodes / tasks) samples each
-        env = gym.make(env_id, **env_kwargs)
-        try:
-            options = spec.task_options(env) or []
-        finally:
-            env.close()
-        k = math.ceil(args.episodes / max(1, len(options)))
-        tasks = [EpisodeSpec(seed=args.seed + i, options=dict(o), meta={"sample": j})
-                 for i, o in enumerate(options) for j in range(k)][: args.episodes] or tasks
-    cfg = RolloutConfig(max_turns=args.max_turns or 1_000_000, max_total_tokens=args.max_total_tokens, concurrency=args.concurrency,
-                        sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                                max_new_tokens=args.max_new_tokens))
-    from agentenv.run.episodes import EpisodeSet
-    from agentenv.trainer.backends import GymEnvFactory
-
-    episodes = EpisodeSet(GymEnvFactory(env_id, env_kwargs), tasks, cfg)
-    t0 = time.perf_counter()
-    with JsonlWriter(args.out) as writer:
-        trajs = episodes.play(policy, progress=True, on_trajectory=writer.write)
-    m = batch_metrics(trajs)
-    errors = sum(t.finish_reason in ("env_error", "policy_error", "template_error") for t in trajs)
-    print(f"episodes={len(trajs)} success={m['success_rate']:.3f} turns={m['turns_mean']:.2f} "
-          f"tool_rate={m['tool_share']:.2f} tool_calls={m['tool_calls_mean']:.2f} "
-          f"tool_malformed={m['tool_malformed_mean']:.2f} tokens={m['tokens']} truncation={m['truncation_rate']:.3f} "
-          f"errors={errors} wall={time.perf_counter() - t0:.1f}s -> {args.out}")
-    return 0
 
 
 # --- training: run / demo / sft / eval / plot / list ----------------------------------------------------------------
@@ -139,15 +27,22 @@ def _add_config_args(p, *, env_required: bool = False) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
 
 
-# The built-in tiny model runs on this CPU: a paper preset's cluster layout and lengths are resized for it (before
-# --set, so any of these can be set back). `--dry-run` prints the result.
-TINY_CPU_OVERRIDES = {
-    "model.backend": "hf", "model.dtype": "float32", "model.gradient_checkpointing": "false",
-    "loop.backend": "local", "loop.num_workers": 1, "launch.gpus": 0, "launch.vllm_engines": 0,
-    "launch.worker_num_gpus": 0,
-    "launch.learner_world_size": 1, "algo.max_tokens_per_microbatch": "null", "rollout.max_new_tokens": 128,
-    "rollout.max_generated_tokens": "null", "eval.episodes": 8, "eval.samples": 1,
-}
+CPU_VARIANT = "cpu"  # a GPU preset's own resizing for this CPU (configs/alfworld.yaml), applied for --model tiny
+
+
+def _cpu_variant(preset: str, model: str | None) -> list[str]:
+    """``[CPU_VARIANT]`` when ``--model`` runs on the CPU (tiny, expert) and the preset's own model does not: the
+    preset says how it shrinks. A preset made for the CPU (demo, alfworld_demo) keeps its own lengths and eval plan
+    when one tiny model is swapped for another."""
+    from agentenv.core.config import load_config, preset_variants
+    from agentenv.samplers.models import is_tiny
+
+    def on_cpu(name: str) -> bool:
+        return is_tiny(name) or name == "expert"
+
+    if not model or not on_cpu(model) or CPU_VARIANT not in preset_variants(str(preset)):
+        return []
+    return [] if on_cpu(load_config(preset).model.name) else [CPU_VARIANT]
 
 
 def _config_from_args(args, default_preset: str | None = None):
@@ -178,18 +73,9 @@ def _config_from_args(args, default_preset: str | None = None):
     model = getattr(args, "model", None)
     if model:
         pre.append(f"model.name={model}")
-        from agentenv.core.config import find_preset, read_yaml
-        from agentenv.samplers.models import is_tiny
-
-        preset_model = read_yaml(find_preset(str(preset))).get("model")
-        preset_model = str(preset_model.get("name", "")) if isinstance(preset_model, dict) else ""
-        # Resize only a paper preset: a preset already made for the CPU (demo, alfworld_demo) keeps its own lengths
-        # and eval plan when one tiny model is swapped for another.
-        if (is_tiny(model) or model == "expert") and not (is_tiny(preset_model) or preset_model == "expert"):
-            pre += [f"{k}={v}" for k, v in TINY_CPU_OVERRIDES.items()]
     if getattr(args, "run_dir", None):
         pre.append(f"run.dir={args.run_dir}")
-    return load_config(preset, args.variant, pre + list(args.overrides))
+    return load_config(preset, _cpu_variant(preset, model) + list(args.variant), pre + list(args.overrides))
 
 
 def _add_run(sub) -> None:
@@ -435,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_plot(sub)
     _add_list(sub)
-    _add_rollout(sub)
+    from agentenv.run.rollout import add_subcommand as add_rollout
+
+    add_rollout(sub)
     try:
         from agentenv.sandboxes.cli import add_subcommands as add_sandbox
     except ImportError:  # pragma: no cover - sandboxes are part of the package

@@ -47,13 +47,13 @@ LAG = ["loop.mode=sync_grpo", "loop.group_size=1", "loop.fixed_lag={lag}"]
 # variant -> --set overrides on top of the demo preset ({lag} is --lag)
 VARIANTS: dict[str, list[str]] = {
     "flashreinforce": [],
-    "token_mean": ["algo.token_mean=true"],
-    "q0.9": ["algo.negative_token_fraction=0.9"],
-    "q0.2": ["algo.negative_token_fraction=0.2"],
-    "grpo": ["algo.loss=grpo", "loop.mode=sync_grpo", "loop.group_size=4"],
+    "token_mean": ["algo.loss.token_mean=true"],
+    "q0.9": ["algo.loss.negative_token_fraction=0.9"],
+    "q0.2": ["algo.loss.negative_token_fraction=0.2"],
+    "grpo": ["algo.loss.type=grpo", "loop.mode=sync_grpo", "loop.group_size=4"],
     "flashreinforce_lag": LAG,
-    "no_trust_lag": LAG + ["algo.no_trust=true"],
-    "no_is_lag": LAG + ["algo.no_is=true"],
+    "no_trust_lag": LAG + ["algo.loss.no_trust=true"],
+    "no_is_lag": LAG + ["algo.loss.no_is=true"],
 }
 SMOKE_SFT = ["sft.num_demos=8", "sft.epochs=1", "sft.batch_size=4", "model.name=tiny-bpe:64x2"]
 SMOKE_RUN = ["rollout.max_new_tokens=8", "env.num_tasks=16", "loop.num_workers=1", "loop.concurrency=2"]

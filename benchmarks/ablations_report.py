@@ -185,7 +185,7 @@ def write(root: Path, out: Path, *, settings: dict, command: str, smoke: bool) -
         f"- Lag variants: `loop.fixed_lag={s['lag']}` (synchronous rounds sampled exactly {s['lag']} versions behind "
         f"the learner once {s['lag']} versions exist; lag, acceptance and KL columns average the updates after the "
         f"first {s['lag']}).",
-        f"- The gate compares the sequence KL with delta = {load_config('demo', [], []).algo.delta:g} (the preset's): "
+        f"- The gate compares the sequence KL with delta = {load_config('demo', [], []).algo.loss.delta:g} (the preset's): "
         "the lag runs' seq KL column is the drift the gate sees at that lag; well below delta the gate admits "
         "everything and cannot matter.",
         f"- Outcome: the final weights on {s['eval_episodes']} held-out questions (`heldout` split, never trained on); "

@@ -7,8 +7,8 @@ DIR defaults to ``$ALFWORLD_DATA``; without either the shipped 24-game sample is
   same game, and every step of its walkthrough; printed as wall mean / median / max and mean process CPU time
   (the env's own cost when other jobs share the cores).
 * Eval: the expert (:class:`agentenv.envs.alfworld_expert.ALFWorldExpert`) plays every game of each split k times
-  through :func:`agentenv.envs.alfworld.evaluate`, i.e. through :mod:`agentenv.core.runtime`; prints success overall and
-  per task type, and exits non-zero unless every game was won.
+  through the common evaluation (:func:`agentenv.run.evaluation.evaluate` on the ``alfworld`` preset); prints success
+  overall and per task type, and exits non-zero unless every game was won.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import statistics
 import sys
 import time
 
-from agentenv.envs.alfworld import ALFWorldEnv, evaluate
+from agentenv.core.config import load_config
+from agentenv.envs.alfworld import ALFWorldEnv
 from agentenv.envs.alfworld_expert import ALFWorldExpert
 
 
@@ -69,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--timing-games", type=int, default=20)
     ap.add_argument("--k", type=int, default=1, help="episodes per game in the eval")
-    ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--skip-eval", action="store_true")
     args = ap.parse_args(argv)
 
@@ -77,21 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip_eval:
         return 0
     cpu0 = time.process_time()
-    results = evaluate(ALFWorldExpert(), ("valid_seen", "valid_unseen"), k=args.k, data_dir=args.data_dir,
-                       concurrency=args.concurrency, progress=True)
+    from agentenv.run.evaluation import evaluate
+
+    cfg = load_config("alfworld", [], [f"eval.samples={args.k}"]
+                      + ([f"env.kwargs.data_dir={args.data_dir}"] if args.data_dir else []))
     all_won = True
-    for split, r in results.items():
-        trajs = r["trajectories"]
-        turns = statistics.mean(t.num_turns for t in trajs)
-        env_s = sum(t.time_env_s for t in trajs)
-        print(f"\nexpert on {split}: {r['successes']}/{r['episodes']} won ({r['success_rate']:.1%}), mean turns {turns:.1f}, "
-              f"max turns {max(t.num_turns for t in trajs)}, wall {r['wall_time_s']:.0f} s (in env {env_s:.0f} s)")
-        for task_type, b in r["by_task_type"].items():
-            print(f"  {task_type:24s} {b['successes']:4d}/{b['episodes']:<4d}")
-        failed = [t for t in trajs if not t.success]
-        for t in failed:
-            print(f"  NOT WON: {t.task} ({t.finish_reason}{': ' + t.error if t.error else ''})")
-        all_won &= not failed
+    for split in ("valid_seen", "valid_unseen"):
+        m = evaluate(cfg, ALFWorldExpert(), split)
+        print(f"\nexpert on {split}: {m['successes']}/{m['episodes']} won ({m['success_rate']:.1%}), "
+              f"mean turns {m['turns_mean']:.1f}, wall {m['wall_s']:.0f} s")
+        for task_type, n in m["episodes_by_type"].items():
+            print(f"  {task_type:24s} {round(m['success_' + task_type] * n):4d}/{n:<4d}")
+        lost = [game for game, (won, played) in m["task_successes"].items() if won < played]
+        for game in lost:
+            print(f"  NOT WON: game {game} of {split}")
+        all_won &= not lost
     print(f"\neval process CPU time: {time.process_time() - cpu0:.0f} s")
     return 0 if all_won else 1
 

@@ -76,9 +76,9 @@ def learner_bf16() -> None:
 
     print("[2] Learner.update: bf16 autocast on CUDA vs float32 on CPU, same batch (delta=inf so every row trains)")
     b0 = batch("a")
-    cfg = LearnerConfig(lr=1e-5, delta=math.inf)
+    cfg = LearnerConfig(lr=1e-5, loss={"delta": math.inf})
     gpu = Learner(copy.deepcopy(base), cfg, device="cuda")
-    cpu = Learner(copy.deepcopy(base), LearnerConfig(lr=1e-5, delta=math.inf, autocast="none"), device="cpu")
+    cpu = Learner(copy.deepcopy(base), LearnerConfig(lr=1e-5, loss={"delta": math.inf}, autocast="none"), device="cpu")
     s_gpu, s_cpu = gpu.update(b0), cpu.update(copy.deepcopy(b0))
     for k in ("loss", "grad_norm", "acceptance_rate", "ratio_mean", "seq_kl_mean"):
         print(f"    {k:16s} cuda-bf16 {s_gpu[k]: .6g}   cpu-fp32 {s_cpu[k]: .6g}")

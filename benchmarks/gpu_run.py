@@ -19,7 +19,7 @@ What it does:
    the lag-0 training-inference mismatch: for every saved trajectory sampled entirely by version 0 (the saved
    model), the per-trajectory sequence KL between vLLM's mu and the learner's pi (recomputed here exactly as the
    learner does: fp32 weights, bf16 autocast, :func:`agentenv.trainer.logprobs.token_log_probs`,
-   :func:`agentenv.trainer.loss.sequence_kl`), its distribution, and the gate's acceptance at delta = 1e-3; also
+   :func:`agentenv.trainer.objectives.sequence_kl`), its distribution, and the gate's acceptance at delta = 1e-3; also
    the same with an fp32 learner forward (which side the mismatch comes from), and update 1's logged
    ``acceptance_rate`` / ``seq_kl_mean``.
    Targets (issue 11): MFU >= 35%, weight sync <= 2 s, lag-0 acceptance >= 99% in bf16.
@@ -209,7 +209,7 @@ def lag0_kl(run_dir: Path, model_path: str, device: str, autocast: bool, limit: 
     from transformers import AutoModelForCausalLM
 
     from agentenv.trainer.logprobs import token_log_probs
-    from agentenv.trainer.loss import sequence_kl
+    from agentenv.trainer.objectives import sequence_kl
 
     def version_0_only(t: dict) -> bool:
         sampled = {v for v, m in zip(t.get("policy_version") or [], t.get("action_mask") or []) if m}

@@ -36,7 +36,7 @@ def changed_share(model, steps, lr, *, fp32_master: bool) -> float:
 
     model = copy.deepcopy(model).to(torch.bfloat16)
     start = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    cfg = LearnerConfig(lr=lr, autocast="bf16", no_trust=True)
+    cfg = LearnerConfig(lr=lr, autocast="bf16", loss={"no_trust": True})
     learner = Learner(model, cfg)
     if not fp32_master:  # the old behaviour: the optimizer steps the bf16 weights themselves
         learner.model.to(torch.bfloat16)

@@ -5,16 +5,11 @@ Contract
 * One env instance plays one game per ``reset``. Games are loaded the way ``alfworld``'s ``AlfredTWEnv`` loads them:
   ``textworld.start(game.tw-pddl)`` with alfworld's ``AlfredDemangler`` (object names such as ``desk 1``, no
   shuffling) and ``AlfredInfos`` wrappers, requesting ``won`` and ``admissible_commands``.
-* Data root (a folder holding ``json_2.1.1/<split>/<task>/<trial>/game.tw-pddl`` and ``logic/``): the ``data_dir``
-  argument, else ``$ALFWORLD_DATA``, else ``~/.cache/alfworld`` if ``alfworld-download`` filled it, else the small
-  sample shipped in ``envs/data/alfworld_sample`` (24 games, 4 per task type). ``data_dir`` may also name a shipped
-  root: ``builtin:sample`` (that sample) or ``builtin:demo`` (the CPU demo's games, see :data:`DEMO_ARCHIVE`: every
-  ``valid_seen`` / ``valid_unseen`` game of two task types and 128 of their train games, unpacked once into the
-  agentenv cache). A split missing
-  from the root is a :class:`ALFWorldDataError` that says how to get the data. Splits: ``train``, ``valid_seen``
-  (alias ``seen``, 140 games), ``valid_unseen`` (alias ``unseen``, 134 games), ``valid_train``. A split's games are
-  the ones ``AlfredTWEnv`` collects (a ``traj_data.json`` next to the game, marked solvable, no movable/sliced
-  trials), sorted by path: that sorted list is the deterministic evaluation order.
+* Data root and splits: :mod:`agentenv.envs.alfworld_data` (``data_dir``, else ``$ALFWORLD_DATA``, else
+  ``~/.cache/alfworld``, else the shipped sample; ``builtin:sample`` / ``builtin:demo``); a split missing from the
+  root is a :class:`ALFWorldDataError` that says how to get the data. A split's games, sorted by path, are its
+  deterministic evaluation order. Prompts and reply parsing: :mod:`agentenv.envs.alfworld_text`; textworld's lock and
+  memos: :mod:`agentenv.envs.alfworld_textworld` (all re-exported here).
 * Game selection: ``reset(options={"game": i})`` plays the split's i-th game, ``{"game": path}`` a game by path
   (relative to the data root, or absolute; the trial folder or its ``game.tw-pddl``). Otherwise the game is drawn
   from ``self.np_random``, so ``reset(seed=s)`` picks the same game for the same ``s`` and split.
@@ -41,110 +36,34 @@ Contract
   ``success``. With ``expert=True`` it also has ``expert_action``: the next command of the game's stored walkthrough
   while the episode's game state is the one the walkthrough expects, else of a fresh plan from TextWorld's PDDL
   planner (fast-downward) for the current state. :mod:`agentenv.envs.alfworld_expert` plays it.
-* :func:`evaluate` plays every game of a split ``k`` times with a :class:`~agentenv.core.policy.TextPolicy` and reports
-  success overall and per task type.
+* Evaluation is the common one (:func:`agentenv.run.evaluation.evaluate` on the ``alfworld`` preset): every game of a
+  split (:meth:`ALFWorldEnv.task_options`, in sorted order) ``eval.samples`` times, success overall and per task type.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import os
-import re
-import threading
 from collections.abc import Iterable
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from agentenv.envs.alfworld_data import (  # noqa: F401  (re-exported: the env's data names are imported from here)
+    BUILTIN_PREFIX, DATA_ENV_VAR, DEMO_ARCHIVE, GAME_FILE, GAMES_SUBDIR, SAMPLE_DIR, SPLITS, TASK_TYPES, TRAJ_FILE,
+    ALFWorldDataError, _how_to_get_data, _task_type_from_path, builtin_root, canonical_split, list_games,
+    resolve_data_root)
+from agentenv.envs.alfworld_text import (  # noqa: F401  (re-exported: the env's text names are imported from here)
+    ALWAYS_ADMISSIBLE, COMPACT_MATCHING, COMPACT_SYSTEM_PROMPT_TEMPLATE, GO_TO_LINE, NEAREST_SYSTEM_PROMPT_TEMPLATE,
+    SYSTEM_PROMPT_TEMPLATE, _GOAL_LINE, _format_commands, _verb_and_object, nearest_command, parse_action,
+    resolve_command)
+from agentenv.envs.alfworld_textworld import (  # noqa: F401  (re-exported; tests patch them on this module)
+    _PLANS, _TEXTWORLD_LOCK, _install_parse_memos, _install_translation_memo)
 from agentenv.envs.base import TextEnv
 
-DATA_ENV_VAR = "ALFWORLD_DATA"
-SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "alfworld_sample"
-GAMES_SUBDIR = "json_2.1.1"
-GAME_FILE = "game.tw-pddl"
-TRAJ_FILE = "traj_data.json"
-_ALFWORLD_DEFAULT_CACHE = Path("~/.cache/alfworld").expanduser()  # alfworld.info's default for $ALFWORLD_DATA
-# The demo's games as one xz tarball (~0.3 MB; the same games unpacked are ~15 MB): made by
-# scripts/make_alfworld_demo_data.py from the released json_2.1.1 archive.
-DEMO_ARCHIVE = Path(__file__).resolve().parent / "data" / "alfworld_demo_games.tar.xz"
-BUILTIN_PREFIX = "builtin:"
 log = logging.getLogger(__name__)
 
-SPLITS = {
-    "train": "train",
-    "valid_seen": "valid_seen",
-    "seen": "valid_seen",
-    "valid_unseen": "valid_unseen",
-    "unseen": "valid_unseen",
-    "valid_train": "valid_train",
-}
-
-# ALFRED's task_type (traj_data.json, task folder prefix) -> the short name recorded in info["task_type"].
-TASK_TYPES = {
-    "pick_and_place_simple": "pick_and_place",
-    "pick_clean_then_place_in_recep": "pick_clean_then_place",
-    "pick_heat_then_place_in_recep": "pick_heat_then_place",
-    "pick_cool_then_place_in_recep": "pick_cool_then_place",
-    "look_at_obj_in_light": "look_at_obj_in_light",
-    "pick_two_obj_and_place": "pick_two_obj_and_place",
-}
-
 _BANNER = "-= Welcome to TextWorld, ALFRED! =-"
-_ACTION_TAG = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
-
-SYSTEM_PROMPT_TEMPLATE = """\
-You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the list of \
-admissible actions. Reply with exactly one of those actions, copied from the list, inside an action tag, for example:
-<action>go to desk 1</action>
-You may reason before the tag; only the last <action>...</action> in your reply is used. Case and extra spaces do \
-not matter. A reply without the tag, or with an action that is not in the list, is invalid: nothing happens, it \
-costs a turn, and {budget}. You have {max_turns} turns. The episode ends as soon as the task is done."""
-
-
-class ALFWorldDataError(FileNotFoundError):
-    """The ALFWorld games asked for are not where the env looked."""
-
-
-def _how_to_get_data(what: str) -> str:
-    return (
-        f"{what}\nGet the ALFWorld games (json_2.1.1) in one of these ways, then pass data_dir=DIR or set "
-        f"${DATA_ENV_VAR}=DIR:\n"
-        f"  * online: `pip install alfworld==0.4.2 && alfworld-download` (downloads to ~/.cache/alfworld; "
-        f"DIR=~/.cache/alfworld)\n"
-        f"  * from an archive: `tar -xJf alfworld-json_2.1.1.tar.xz -C DIR`\n"
-        f"DIR must contain {GAMES_SUBDIR}/<split>/... and logic/."
-    )
-
-
-def resolve_data_root(data_dir: str | os.PathLike | None = None) -> Path:
-    """The data root to use: ``data_dir``, else ``$ALFWORLD_DATA``, else ``~/.cache/alfworld`` when
-    ``alfworld-download`` has put games there, else the shipped sample.
-
-    A folder that is itself ``json_2.1.1`` is accepted too (its parent is the root), and ``builtin:sample`` /
-    ``builtin:demo`` name the shipped games."""
-    if isinstance(data_dir, str) and data_dir.startswith(BUILTIN_PREFIX):
-        return builtin_root(data_dir[len(BUILTIN_PREFIX):])
-    env_value = os.environ.get(DATA_ENV_VAR)
-    # Importing alfworld sets $ALFWORLD_DATA to its download cache when unset (alfworld/info.py), so that value is
-    # treated as the download-cache step below: the answer must not depend on whether alfworld was imported yet.
-    if env_value and Path(env_value).expanduser() == _ALFWORLD_DEFAULT_CACHE:
-        env_value = None
-    if data_dir is not None:
-        source, root = "data_dir", Path(data_dir).expanduser()
-    elif env_value:
-        source, root = f"${DATA_ENV_VAR}", Path(env_value).expanduser()
-    elif (_ALFWORLD_DEFAULT_CACHE / GAMES_SUBDIR).is_dir():
-        return _ALFWORLD_DEFAULT_CACHE.resolve()
-    else:
-        _warn_sample_once()
-        return SAMPLE_DIR
-    if root.name == GAMES_SUBDIR and not (root / GAMES_SUBDIR).is_dir():
-        root = root.parent
-    if not (root / GAMES_SUBDIR).is_dir():
-        raise ALFWorldDataError(_how_to_get_data(f"{source}={str(root)!r} has no {GAMES_SUBDIR}/ folder."))
-    return root.resolve()
 
 
 def _import_alfworld():
@@ -157,277 +76,6 @@ def _import_alfworld():
     import alfworld
 
     return alfworld
-
-
-def builtin_root(name: str) -> Path:
-    """A shipped data root: ``sample`` (the 24-game sample folder) or ``demo`` (:data:`DEMO_ARCHIVE`, unpacked on first
-    use into ``$AGENTENV_CACHE`` under a name that carries the archive's hash, so a new archive never mixes with an
-    old copy)."""
-    if name == "sample":
-        return SAMPLE_DIR
-    if name != "demo":
-        raise ValueError(f"unknown shipped ALFWorld data {BUILTIN_PREFIX}{name}; expected builtin:sample or builtin:demo")
-    import hashlib
-    import tarfile
-
-    from agentenv.core.cache import atomic_dir, cache_dir
-
-    if not DEMO_ARCHIVE.is_file():
-        raise ALFWorldDataError(f"the shipped demo games {DEMO_ARCHIVE} are missing (a broken install?)")
-    digest = hashlib.sha256(DEMO_ARCHIVE.read_bytes()).hexdigest()[:12]
-
-    def unpack(out: Path) -> None:
-        with tarfile.open(DEMO_ARCHIVE, "r:xz") as tar:
-            tar.extractall(out, filter="data")  # "data": no absolute paths, links or devices out of the archive
-
-    return atomic_dir(cache_dir() / f"alfworld-demo-{digest}", unpack).resolve()
-
-
-@lru_cache(maxsize=1)
-def _warn_sample_once() -> None:
-    log.warning("ALFWorld: no data_dir, $%s or downloaded games; using the 24-game sample in %s", DATA_ENV_VAR, SAMPLE_DIR)
-
-
-def canonical_split(split: str) -> str:
-    try:
-        return SPLITS[split]
-    except KeyError:
-        raise ValueError(f"unknown ALFWorld split {split!r}; expected one of {sorted(SPLITS)}") from None
-
-
-@lru_cache(maxsize=32)
-def _collect_games(root: Path, split: str) -> tuple[str, ...]:
-    # The same filter as alfworld's AlfredTWEnv.collect_game_files, so a split has its usual number of games.
-    split_dir = root / GAMES_SUBDIR / split
-    games = []
-    for game in split_dir.glob(f"*/*/{GAME_FILE}"):
-        trial = game.parent
-        if "movable" in str(trial) or "Sliced" in str(trial) or not (trial / TRAJ_FILE).is_file():
-            continue
-        with open(game) as f:
-            if not json.load(f).get("solvable", False):
-                continue
-        games.append(game.relative_to(root).as_posix())
-    return tuple(sorted(games))
-
-
-def list_games(split: str, data_dir: str | os.PathLike | None = None, task_types: Iterable[str] | None = None) -> list[str]:
-    """Games of ``split`` (paths relative to the data root, sorted), optionally only some task types (short or
-    ALFRED names). Raises :class:`ALFWorldDataError` when the split is absent or empty."""
-    root = resolve_data_root(data_dir)
-    split = canonical_split(split)
-    games = list(_collect_games(root, split))
-    if not games:
-        where = "the shipped sample" if root == SAMPLE_DIR else str(root)
-        raise ALFWorldDataError(_how_to_get_data(f"No ALFWorld games for split {split!r} in {where}."))
-    if task_types is not None:
-        wanted = {TASK_TYPES.get(t, t) for t in task_types}
-        unknown = wanted - set(TASK_TYPES.values())
-        if unknown:
-            raise ValueError(f"unknown task types {sorted(unknown)}; expected some of {sorted(TASK_TYPES.values())}")
-        games = [g for g in games if _task_type_from_path(g) in wanted]
-        if not games:
-            raise ALFWorldDataError(f"split {split!r} in {root} has no games of task types {sorted(wanted)}")
-    return games
-
-
-# nearest_match=True: a command that is not admissible is read as the admissible command closest to it in spelling
-# (difflib's ratio), as LLM planners map free text onto a game's actions (e.g. Huang et al. 2022), but only among the
-# commands that do the same thing to the same object: read by spelling alone, "take book 1 from drawer 2" at a drawer
-# holding a watch became "take watch 1 from drawer 2", which plays an object the agent never named and makes the
-# reward depend on the matcher. The agent is told which command was played. The CPU demo uses it because its tiny
-# model often gets a receptacle's number wrong while naming the right object.
-NEAREST_SYSTEM_PROMPT_TEMPLATE = """\
-You are an agent in a household (ALFWorld). Each message tells you what you observe and ends with the list of \
-admissible actions. Reply with exactly one of those actions, copied from the list, inside an action tag, for example:
-<action>go to desk 1</action>
-You may reason before the tag; only the last <action>...</action> in your reply is used. Case and extra spaces do \
-not matter. An action that is not in the list is read as the listed action closest to it in spelling that does \
-the same to the same object, and you are told which one was played; an action on an object that no listed action \
-names is invalid. A reply without the tag is invalid: nothing happens, it costs a turn, and {budget}. You \
-have {max_turns} turns. The episode ends as soon as the task is done."""
-
-
-# compact_list=True: a prompt as short as the list (every token of it is paid in every trajectory, ~25% of a short
-# episode with the long prompts above).
-COMPACT_SYSTEM_PROMPT_TEMPLATE = """\
-You are an agent in a household (ALFWorld). Reply with one action in a tag, e.g. <action>go to desk 1</action>; you \
-may think first, the last tag counts. You can go to any receptacle in the room, look and inventory; each message \
-lists the other admissible actions. {matching} A reply without a tag is invalid and costs a turn; {budget}. You have \
-{max_turns} turns."""
-COMPACT_MATCHING = {True: "An action that is not admissible is read as the closest admissible one on the same object, "
-                          "and you are told; with no such one it is invalid.",
-                    False: "An action that is not admissible is invalid and costs a turn."}
-
-
-# The goal as ALFWorld states it in a game's opening text (one line); restate_goal=True repeats it every turn.
-_GOAL_LINE = re.compile(r"^Your task is to: .*$", re.MULTILINE)
-
-
-def _task_type_from_path(game: str) -> str | None:
-    # Task folders are named <task_type>-<object>-<movable recep>-<parent recep>-<scene>.
-    return TASK_TYPES.get(Path(game).parent.parent.name.split("-", 1)[0])
-
-
-def parse_action(text: str) -> str | None:
-    """The command in the last ``<action>...</action>`` tag, lower-cased with whitespace collapsed and a trailing
-    period dropped; ``None`` when there is no tag or it is empty."""
-    tags = _ACTION_TAG.findall(text)
-    if not tags:
-        return None
-    command = " ".join(tags[-1].split()).lower().rstrip(".").strip()
-    return command or None
-
-
-# textworld is not thread-safe: its grammar and PDDL parsers are module-global tatsu parser objects, and
-# fast-downward's translator writes module-global options and sys.argv. The runtime steps envs on several threads, so
-# every call into textworld goes through this one lock (that work holds the GIL anyway: little throughput is lost).
-_TEXTWORLD_LOCK = threading.RLock()
-
-
-# Whether the game being loaded will ever plan. textworld translates every game twice: the plain SAS it plays, and
-# an "optimized" one (pruned facts and operators) that only its planner (``PddlState.replan``) reads. An env that
-# requests no plan (no expert, no walkthrough, no policy_commands) sets this around its load and reset, and the
-# optimized call is answered with the plain translation: a valid SAS that is loaded and never searched. It halves the
-# cost of a game's first load, which a run over the 1,098 train games pays on most episodes. Only read and written
-# while ``_TEXTWORLD_LOCK`` is held, so one flag serves every thread.
-_PLANS = [True]
-
-
-@lru_cache(maxsize=1)
-def _install_translation_memo() -> None:
-    """Replace ``fast_downward.pddl2sas`` (process-wide, once) by a memoized version.
-
-    Why: the PDDL-to-SAS translation is ~90% of a reset and textworld runs it four times per new game (twice in
-    ``load``, twice in ``reset``) on the same inputs; its result is only read afterwards, so reusing it is exact.
-    It keeps the last 512 translations (~1.2 MB each; one per game that will not plan, see ``_PLANS``, two per game
-    that will): a reset of a kept game takes ~0.06 s instead of ~0.35 s, and the CPU demo's 128 train and 90 eval
-    games all stay.
-    Its callers here hold ``_TEXTWORLD_LOCK``; the memo takes it too for any other caller."""
-    import fast_downward
-
-    original = fast_downward.pddl2sas
-
-    @lru_cache(maxsize=512)  # two entries per game when it plans (plain and optimized), one when it does not
-    def _translate(domain: str, problem: str, verbose: bool, optimize: bool):
-        return original(domain, problem, verbose=verbose, optimize=optimize)
-
-    def pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
-        with _TEXTWORLD_LOCK:
-            return _translate(domain, problem, verbose, optimize and _PLANS[0])
-
-    fast_downward.pddl2sas = pddl2sas
-
-
-# compact_list=True: the commands every state of every game admits are not listed one by one. `go to R` is admissible
-# for every receptacle R of the room but the one the agent stands at (the opening text names them all), and these
-# three never change the game. Listing them costs ~5 tokens per receptacle per turn, ~70% of a turn's observation.
-ALWAYS_ADMISSIBLE = ("help", "inventory", "look")
-GO_TO_LINE = "go to <any receptacle in the room>"
-
-
-@lru_cache(maxsize=1)
-def _install_parse_memos() -> None:
-    """Memoize textworld's two tatsu parsers (process-wide, once): text generation's grammar symbols and the logic's
-    conjunctive queries; copy text generation's contexts shallowly; and build a game's logic once.
-
-    Why: every step re-parses the same few hundred template and query strings (~45% of a step). Parsing is a pure
-    function of the string. Text generation mutates the symbols it gets (it sets their context), so each call returns
-    a deep copy of the memoized parse -- the same objects a fresh parse would give, at a fraction of the cost. A
-    query's ``Rule`` is only read (``State.all_assignments`` copies the mapping it is given), so the one parsed rule
-    is shared.
-
-    And make text generation's context copy shallow. ``textgen.copy_context`` deep-copies a context's ``variables``
-    (placeholder name -> the game's ``EntityInfo``) and ``mapping`` (placeholder -> variable) ~30 times per generated
-    sentence; ~75% of a step went there. Derivation only adds keys to the copied dicts (``query`` updates them) and
-    reads the values (``{o.name}`` templates); the ``EntityInfo`` objects are the ones the context's shared
-    ``entity_infos`` already holds, and placeholders and variables are hashable value objects. A copy of the two dicts
-    is therefore what a deep copy gives for every read the grammar makes. Together: a step ~45 -> ~5 ms, a reset of
-    a game played before ~65 -> ~35 ms, observations byte-identical
-    (``test_parse_memos_leave_every_observation_unchanged``)."""
-    import copy
-
-    import textworld.envs.pddl.logic as pddl_logic
-    import textworld.envs.pddl.textgen as textgen
-    import textworld.logic as logic
-
-    def memoized(parse):
-        @lru_cache(maxsize=8192)
-        def cached(text: str, rule_name: str):
-            return parse(text, rule_name=rule_name)
-
-        def parse_copy(text, rule_name, **kwargs):
-            if kwargs.get("trace"):  # TW_CSG_TRACE debugging wants to see the parse itself
-                return parse(text, rule_name=rule_name, **kwargs)
-            return copy.deepcopy(cached(text, rule_name))
-
-        return parse_copy
-
-    textgen._parse_and_convert = memoized(textgen._parse_and_convert)
-    original_query = logic.Rule.parse_conjunctive_query.__func__
-    cached_query = lru_cache(maxsize=8192)(lambda expr: original_query(logic.Rule, expr))
-    logic.Rule.parse_conjunctive_query = classmethod(lambda cls, expr: cached_query(expr))
-
-    def copy_context(context: dict) -> dict:
-        return {"state": context["state"], "facts": context["facts"], "variables": dict(context["variables"]),
-                "mapping": dict(context["mapping"]), "entity_infos": context["entity_infos"]}
-
-    textgen.copy_context = copy_context  # the module global its symbols and grammar call
-
-    # A game's logic (its action templates and text grammar, parsed from the game file) is rebuilt by every load,
-    # ~25 ms of a ~60 ms reset of a game the env did not just play. It is only read once built (a state adds the
-    # domain's types to it, which it already has after the first), so one per (domain, grammar) is shared.
-    original_logic = pddl_logic.GameLogic
-    shared_logic = lru_cache(maxsize=512)(lambda domain, grammar: original_logic(domain=domain, grammar=grammar))
-    pddl_logic.GameLogic = lambda domain, grammar: shared_logic(domain, grammar)
-
-
-def _format_commands(commands: list[str], compact: bool = False) -> str:
-    if compact:
-        commands = [GO_TO_LINE] + [c for c in commands if not c.startswith("go to ") and c not in ALWAYS_ADMISSIBLE]
-    return "Admissible actions:\n" + "\n".join(commands)
-
-
-def _verb_and_object(command: str) -> tuple[str, str]:
-    """``("take", "book")`` for "take book 1 from desk 2", ``("go to", "desk")`` for "go to desk 1": what a command
-    does and to what, without the numbers and places that :func:`nearest_command` may approximate."""
-    words = command.split()
-    if words[:2] == ["go", "to"]:
-        return "go to", words[2] if len(words) > 2 else ""
-    return (words[0] if words else ""), (words[1] if len(words) > 1 else "")
-
-
-def nearest_command(command: str, commands: list[str]) -> str | None:
-    """The admissible command closest to ``command`` in spelling (difflib ratio; the first listed wins a tie) among
-    those with the same verb and the same object: "take book 3 from shelf 1" may be read as "take book 1 from
-    desk 2", never as "take watch 1 from shelf 1". Taking, moving or using another object than the one named cannot be
-    undone within a short episode, so a command whose object is not at hand has no nearest one (``None``: invalid).
-    ``help`` is never chosen: it changes nothing."""
-    verb_object = _verb_and_object(command.lower())
-    candidates = [c for c in commands if c != "help" and _verb_and_object(c.lower()) == verb_object]
-    if not candidates:
-        return None
-    ratio = lambda c: difflib.SequenceMatcher(None, command, c, autojunk=False).ratio()  # noqa: E731
-    return max(candidates, key=ratio)
-
-
-def resolve_command(reply: str, commands: list[str], nearest: bool = False) -> tuple[str | None, str | None]:
-    """``(command, None)`` for an admissible reply, else ``(None, why)``: the observation text for an invalid one.
-    With ``nearest``, a tagged
-    command that is not admissible resolves to :func:`nearest_command` (the caller compares it with
-    :func:`parse_action` to tell the agent)."""
-    command = parse_action(reply)
-    if command is None:
-        return None, "Invalid action: your reply has no <action>...</action> tag. Nothing happens."
-    if command not in commands:
-        if nearest:
-            if (near := nearest_command(command, commands)) is not None:
-                return near, None
-            verb, obj = _verb_and_object(command)
-            return None, (f'Invalid action: "{command}" is not one of the admissible actions, and none of them is '
-                          f'"{verb} {obj} ...". Nothing happens.')
-        return None, f'Invalid action: "{command}" is not one of the admissible actions. Nothing happens.'
-    return command, None
 
 
 class ALFWorldEnv(TextEnv):
@@ -693,67 +341,3 @@ class ALFWorldEnv(TextEnv):
         if self._plan_pos >= len(self._plan):
             return None  # the planner found no plan from here
         return self._plan[self._plan_pos]
-
-
-# ------------------------------------------------------------------------------------------------------ evaluation
-def evaluation_tasks(split: str, k: int = 1, data_dir: str | os.PathLike | None = None, task_types: Iterable[str] | None = None) -> list:
-    """Every game of ``split`` ``k`` times, in the split's sorted order: runtime :class:`~agentenv.core.runtime.EpisodeSpec`
-    objects with ``options={"game": index}`` and ``meta={"game": index, "sample": j}``."""
-    from agentenv.core.runtime import EpisodeSpec
-
-    if k < 1:
-        raise ValueError(f"k (samples per game) must be >= 1, got {k}")
-    n = len(list_games(split, data_dir, task_types))
-    return [EpisodeSpec(options={"game": i}, meta={"game": i, "sample": j}) for i in range(n) for j in range(k)]
-
-
-def success_report(trajectories: Iterable) -> dict:
-    """Success overall and per task type for trajectories of one split (anything with ``success``/``task_type``)."""
-    report: dict = {"episodes": 0, "successes": 0, "by_task_type": {}}
-    for t in trajectories:
-        for bucket in (report, report["by_task_type"].setdefault(t.task_type, {"episodes": 0, "successes": 0})):
-            bucket["episodes"] += 1
-            bucket["successes"] += int(bool(t.success))
-    for bucket in (report, *report["by_task_type"].values()):
-        bucket["success_rate"] = bucket["successes"] / bucket["episodes"] if bucket["episodes"] else 0.0
-    report["by_task_type"] = dict(sorted(report["by_task_type"].items(), key=lambda kv: str(kv[0])))
-    return report
-
-
-def evaluate(
-    policy,
-    splits: Iterable[str] = ("valid_seen", "valid_unseen"),
-    k: int = 1,
-    data_dir: str | os.PathLike | None = None,
-    max_turns: int = 50,
-    invalid_action_budget: int | None = 10,
-    concurrency: int = 1,
-    rollout_config=None,
-    progress: bool = False,
-) -> dict:
-    """Play every game of each split ``k`` times with ``policy`` through :mod:`agentenv.core.runtime` and return
-    ``{split: success_report(...) + {"trajectories": [...], "wall_time_s": ...}}``.
-
-    ``policy`` is a token-level :class:`~agentenv.core.policy.Policy` or a :class:`~agentenv.core.policy.TextPolicy`; a policy
-    with an ``env_kwargs`` attribute (the expert's ``{"expert": True}``) gets those passed to the env. The runtime's
-    turn limit is set above the env's, so the env's ``max_turns`` is the one that ends episodes."""
-    import time
-
-    from agentenv.core.runtime import RolloutConfig, run_episodes
-
-    cfg = rollout_config or RolloutConfig()
-    cfg.max_turns, cfg.concurrency = max(cfg.max_turns, max_turns + 1), concurrency
-    env_kwargs = dict(getattr(policy, "env_kwargs", {}))
-    out = {}
-    for split in splits:
-        split = canonical_split(split)
-
-        def make_env(split=split):
-            return ALFWorldEnv(split, data_dir, max_turns=max_turns, invalid_action_budget=invalid_action_budget, **env_kwargs)
-
-        tasks = evaluation_tasks(split, k, data_dir)
-        t0 = time.perf_counter()
-        trajs = run_episodes(make_env, policy, len(tasks), cfg, tasks=tasks, progress=progress)
-        trajs.sort(key=lambda t: (t.meta["game"], t.meta["sample"]))  # the runtime yields in completion order
-        out[split] = {**success_report(trajs), "trajectories": trajs, "wall_time_s": time.perf_counter() - t0}
-    return out

@@ -5,7 +5,7 @@ Contract: ``ALFWorldExpert().act(messages, info)`` returns ``"<action>COMMAND</a
 game's stored walkthrough while the episode follows it, a PDDL-planner plan otherwise. It reads nothing but ``info``, so it
 goes through the normal env interface (parsing, admissibility, turn accounting) like any other policy, and a miswired
 env shows up as a clear error, never as a silently invalid action. ``env_kwargs`` names the env arguments it needs,
-for whoever builds the env (``agentenv.envs.alfworld.evaluate``, the CLI).
+for whoever builds the env (:meth:`agentenv.run.episodes.EpisodeSet.for_policy`, the CLI).
 
 ``ALFWorldExpert(noise=p, seed=s)`` is the *noisy* expert used for SFT demonstrations: at each turn, with probability
 ``p`` it plays a uniformly drawn admissible command other than the expert's (``help`` excluded: it changes nothing
@@ -25,7 +25,7 @@ class ALFWorldExpert:
     """Plays the env's expert action (or, with probability ``noise``, a random admissible one)."""
 
     name = "expert"
-    env_kwargs: ClassVar[dict] = {"expert": True}  # what the env must be built with for this policy (read by evaluate() / the CLI)
+    env_kwargs: ClassVar[dict] = {"expert": True}  # the env this policy needs (EpisodeSet.for_policy)
 
     def __init__(self, noise: float = 0.0, seed: int = 0):
         if not 0.0 <= noise < 1.0:

@@ -1,7 +1,9 @@
 """Print the import graph of agentenv's packages (module-level AND function-level imports), its layers and cycles.
 
 ``python scripts/import_graph.py [trainer]`` prints the layer order, then ``module -> imports`` for every module (or
-only those under the given top-level folder), and exits 1 if any cycle exists or a layer imports one above it.
+only those under the given top-level folder), and exits 1 if any cycle exists or a layer imports one above it. It
+also lists every module over 420 lines and function over 80 in the four packages (``SIZE:``; the test holds them
+to a short list of known ones).
 tests/test_import_graph.py runs the same checks.
 
 The layers, lowest first (a module may import its own layer and those below, never above):
@@ -79,6 +81,27 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
     return deps
 
 
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 420, 80
+SIZED = ("agentenv", "trainer", "envs", "sandboxes")  # the four packages the size rules cover
+
+
+def size_violations() -> list[str]:
+    """``path`` for each module over MAX_MODULE_LINES and ``path:function`` for each function (method, nested
+    function) over MAX_FUNCTION_LINES, each with its size: ``"envs/x.py (512 lines)"``."""
+    out = []
+    for folder in SIZED:
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            rel, text = p.relative_to(ROOT).as_posix(), p.read_text()
+            if len(text.splitlines()) > MAX_MODULE_LINES:
+                out.append(f"{rel} ({len(text.splitlines())} lines)")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        out.append(f"{rel}:{node.name} ({n} lines)")
+    return out
+
+
 def graph() -> dict[str, set[str]]:
     mods = modules()
     return {m: imports(m, p, set(mods)) for m, p in mods.items()}
@@ -130,4 +153,7 @@ if __name__ == "__main__":
     upward = layer_violations(g)
     for m, d in upward:
         print(f"LAYER: {m} imports {d}, a layer above it")
+    sizes = size_violations()
+    for v in sizes:
+        print(f"SIZE: {v} (limits: {MAX_MODULE_LINES} lines a module, {MAX_FUNCTION_LINES} a function)")
     sys.exit(1 if found or upward else 0)

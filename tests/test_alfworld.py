@@ -20,8 +20,6 @@ from agentenv.envs.alfworld import (
     TASK_TYPES,
     ALFWorldDataError,
     ALFWorldEnv,
-    evaluate,
-    evaluation_tasks,
     list_games,
     parse_action,
 )
@@ -267,20 +265,31 @@ def test_seeded_game_selection_is_reproducible(data_dir):
     b.close()
 
 
+def _alfworld(data_dir, *overrides):
+    """The alfworld preset on these games: the common evaluation and task list read it as a run would."""
+    from agentenv.core.config import load_config
+
+    return load_config("alfworld", [], [f"env.kwargs.data_dir={data_dir}", *overrides])
+
+
 def test_evaluation_order_covers_every_game_k_times(data_dir):
-    tasks = evaluation_tasks("valid_unseen", k=2, data_dir=data_dir)
+    from agentenv.run.episodes import task_list
+
+    tasks = task_list(_alfworld(data_dir), "valid_unseen", samples=2)
     assert len(tasks) == 268
     assert [(t.options["game"], t.meta["sample"]) for t in tasks[:3]] == [(0, 0), (0, 1), (1, 0)]
 
 
-def test_expert_wins_every_sample_game_and_evaluate_reports_per_task_type():
-    # The shipped sample has one valid_unseen game per task type. Three episodes in flight on threads: textworld's
-    # parsers are not thread-safe, and the env must serialize them (unserialized, episodes fail with parse errors).
-    report = evaluate(ALFWorldExpert(), splits=("unseen",), k=1, data_dir=SAMPLE_DIR, concurrency=3)["valid_unseen"]
-    assert not [t.error for t in report["trajectories"] if t.error]
-    assert (report["episodes"], report["successes"], report["success_rate"]) == (6, 6, 1.0)
-    assert set(report["by_task_type"]) == set(TASK_TYPES.values())
-    assert all(b == {"episodes": 1, "successes": 1, "success_rate": 1.0} for b in report["by_task_type"].values())
+def test_expert_wins_every_sample_game_through_the_common_evaluation():
+    # The shipped sample has one valid_unseen game per task type, all six in flight on threads: textworld's parsers
+    # are not thread-safe, and the env must serialize them (unserialized, episodes fail with parse errors). The
+    # expert's env_kwargs (expert=True) reach the envs through EpisodeSet.for_policy.
+    from agentenv.run.evaluation import evaluate
+
+    m = evaluate(_alfworld(SAMPLE_DIR, "eval.samples=1"), ALFWorldExpert(), "unseen", progress=False)
+    assert (m["episodes"], m["successes"], m["success_rate"]) == (6, 6, 1.0)
+    assert m["episodes_by_type"] == {t: 1 for t in sorted(TASK_TYPES.values())}
+    assert all(m[f"success_{t}"] == 1.0 for t in TASK_TYPES.values())
 
 
 def test_check_env():
@@ -295,10 +304,12 @@ def test_check_env():
 # ---------------------------------------------------------------------------------------------- full expert eval
 @pytest.mark.slow
 def test_expert_wins_every_seen_and_unseen_game(data_dir):
-    results = evaluate(ALFWorldExpert(), ("valid_seen", "valid_unseen"), data_dir=data_dir, concurrency=2)
+    from agentenv.run.evaluation import evaluate
+
     for split, n in (("valid_seen", 140), ("valid_unseen", 134)):
-        lost = [t.task for t in results[split]["trajectories"] if not t.success]
-        assert results[split]["successes"] == n and not lost, lost
+        m = evaluate(_alfworld(data_dir, "eval.samples=1"), ALFWorldExpert(), split, progress=False)
+        lost = [game for game, (won, played) in m["task_successes"].items() if won < played]
+        assert m["successes"] == m["episodes"] == n and not lost, lost
 
 
 # ------------------------------------------------------------------------------------------------ the searcher

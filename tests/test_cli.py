@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from agentenv.cli import main
 from agentenv.core.metrics import MetricsLogger
 
@@ -117,3 +119,22 @@ def test_swapping_the_tiny_model_of_a_cpu_preset_keeps_its_plan():
     assert swapped.eval == demo.eval and swapped.algo == demo.algo
     paper = _config_from_args(build_parser().parse_args(["run", "--env", "alfworld", "--model", "tiny"]))
     assert paper.rollout.max_new_tokens == 128 and paper.loop.backend == "local" and paper.eval.episodes == 8
+    assert paper.variants == ["cpu"]  # the preset's own resizing, recorded with the run
+    assert (swapped.variants, demo.variants) == ([], [])
+
+
+def test_the_launch_plan_is_typed_frozen_and_saved_as_json():
+    import dataclasses
+
+    from agentenv.core.config import load_config
+    from agentenv.run.plan import launch_plan
+
+    plan = launch_plan(load_config("demo", [], ["algo.loss.no_trust=true"]))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.device = "cuda"  # printed, saved and executed: one plan, never edited on the way
+    saved = json.loads(json.dumps(plan.to_dict()))
+    assert saved["components"] == {"sampler": "hf", "rollout_backend": "local", "vllm_engines": 0,
+                                   "learner": {"strategy": "single", "world_size": 1, "master_dtype": "float32",
+                                               "compute_dtype": "float32"}}
+    assert saved["algorithm"]["loss"]["type"] == "flashreinforce" and saved["algorithm"]["loss"]["delta"] == \
+        "inf (no_trust)"

@@ -2,7 +2,8 @@
 
 import pytest
 
-from agentenv.core.config import ConfigError, list_presets, load_config, parse_override, preset_variants
+from agentenv.core.config import (ConfigError, FlashReinforceLoss, GRPOLoss, list_presets, load_config, parse_override,
+                                  preset_variants)
 
 
 def test_presets_exist_and_validate():
@@ -16,7 +17,7 @@ def test_alfworld_paper_setting():
     c = load_config("alfworld")
     assert c.model.name == "qwen2.5-7b"
     assert (c.loop.batch_size, c.loop.group_size, c.rollout.max_turns) == (64, 1, 50)
-    assert c.algo.delta == 1e-3 and c.algo.negative_token_fraction == 0.9 and c.algo.schedule == "constant"
+    assert c.algo.loss.delta == 1e-3 and c.algo.loss.negative_token_fraction == 0.9 and c.algo.schedule == "constant"
     assert (c.rollout.max_total_tokens, c.rollout.max_generated_tokens) == (16384, 8192)
     assert c.eval.every == 40 and c.eval.samples == 3 and c.eval.splits == ["valid_seen", "valid_unseen"]
 
@@ -26,7 +27,7 @@ def test_python_tool_paper_setting_and_grpo_budget():
     assert (c.loop.batch_size, c.rollout.max_turns, c.rollout.max_total_tokens, c.rollout.max_generated_tokens) == (
         128, 10, 8192, 6144)
     g = load_config("python_tool", ["grpo"])
-    assert (g.loop.batch_size // g.loop.group_size, g.loop.group_size, g.algo.loss, g.loop.mode) == (
+    assert (g.loop.batch_size // g.loop.group_size, g.loop.group_size, g.algo.loss.type, g.loop.mode) == (
         32, 4, "grpo", "sync_grpo")
     a = load_config("alfworld", ["grpo"])
     assert (a.loop.batch_size // a.loop.group_size, a.loop.group_size) == (8, 8)
@@ -38,7 +39,7 @@ def test_python_tool_paper_setting_and_grpo_budget():
 def test_variants(variant, field, value):
     for preset in ("alfworld", "python_tool"):
         c = load_config(preset, [variant])
-        assert getattr(c.algo, field) == value
+        assert getattr(c.algo.loss, field) == value
         assert c.variants == [variant]
 
 
@@ -91,7 +92,7 @@ PAPER = {
         "loop.batch_size": 64, "loop.group_size": 1, "loop.queue_size": 1, "loop.mode": "async",
         "rollout.max_turns": 50, "rollout.max_total_tokens": 16384, "rollout.max_generated_tokens": 8192,
         "rollout.temperature": 1.0, "rollout.top_p": 1.0, "rollout.top_k": 0,
-        "algo.delta": 1e-3, "algo.negative_token_fraction": 0.9, "algo.lr": 1e-6, "algo.schedule": "constant",
+        "algo.loss.delta": 1e-3, "algo.loss.negative_token_fraction": 0.9, "algo.lr": 1e-6, "algo.schedule": "constant",
         "algo.weight_decay": 0.1, "algo.max_grad_norm": 1.0, "loop.total_updates": 200,
         "eval.every": 40, "eval.splits": ["valid_seen", "valid_unseen"], "eval.samples": 3,
         "eval.temperature": 1.0, "eval.top_p": 0.7,
@@ -101,24 +102,28 @@ PAPER = {
         "loop.batch_size": 128, "loop.group_size": 1, "loop.queue_size": 1, "loop.mode": "async",
         "rollout.max_turns": 10, "rollout.max_total_tokens": 8192, "rollout.max_generated_tokens": 6144,
         "rollout.temperature": 1.0, "rollout.top_p": 1.0, "rollout.top_k": 0,
-        "algo.delta": 1e-3, "algo.negative_token_fraction": 1.0, "algo.lr": 1e-6, "algo.schedule": "cosine",
+        "algo.loss.delta": 1e-3, "algo.loss.negative_token_fraction": 1.0, "algo.lr": 1e-6, "algo.schedule": "cosine",
         "algo.warmup_ratio": 0.03, "algo.min_lr_ratio": 0.1,
         "eval.every": 100, "eval.at_start": True, "eval.samples": 4, "eval.temperature": 0.7, "eval.top_p": 0.7,
     },
 }
 VARIANTS = {
-    "alfworld": {"no_trust": {"algo.no_trust": True}, "no_is": {"algo.no_is": True},
-                 "token_mean": {"algo.token_mean": True}, "negative_q09": {"algo.negative_token_fraction": 0.9},
-                 "negative_q02": {"algo.negative_token_fraction": 0.2},
-                 "negative_q00": {"algo.negative_token_fraction": 0.0},
-                 "grpo": {"algo.loss": "grpo", "loop.mode": "sync_grpo", "loop.batch_size": 64, "loop.group_size": 8}},
-    "python_tool": {"no_trust": {"algo.no_trust": True}, "no_is": {"algo.no_is": True},
-                    "token_mean": {"algo.token_mean": True}, "negative_q09": {"algo.negative_token_fraction": 0.9},
-                    "negative_q02": {"algo.negative_token_fraction": 0.2},
-                    "negative_q00": {"algo.negative_token_fraction": 0.0},
-                    "constant_length": {"algo.constant_length": 6144},
-                    "grpo": {"algo.loss": "grpo", "loop.mode": "sync_grpo", "loop.batch_size": 128,
-                             "loop.group_size": 4}},
+    "alfworld": {"no_trust": {"algo.loss.no_trust": True}, "no_is": {"algo.loss.no_is": True},
+                 "token_mean": {"algo.loss.token_mean": True}, "negative_q09": {"algo.loss.negative_token_fraction": 0.9},
+                 "negative_q02": {"algo.loss.negative_token_fraction": 0.2},
+                 "negative_q00": {"algo.loss.negative_token_fraction": 0.0},
+                 "grpo": {"algo.loss.type": "grpo", "loop.mode": "sync_grpo", "loop.batch_size": 64, "loop.group_size": 8},
+                 "cpu": {"model.backend": "hf", "loop.backend": "local", "launch.gpus": 0,
+                         "rollout.max_new_tokens": 128, "eval.episodes": 8}},
+    "python_tool": {"no_trust": {"algo.loss.no_trust": True}, "no_is": {"algo.loss.no_is": True},
+                    "token_mean": {"algo.loss.token_mean": True}, "negative_q09": {"algo.loss.negative_token_fraction": 0.9},
+                    "negative_q02": {"algo.loss.negative_token_fraction": 0.2},
+                    "negative_q00": {"algo.loss.negative_token_fraction": 0.0},
+                    "constant_length": {"algo.loss.constant_length": 6144},
+                    "grpo": {"algo.loss.type": "grpo", "loop.mode": "sync_grpo", "loop.batch_size": 128,
+                             "loop.group_size": 4},
+                    "cpu": {"model.backend": "hf", "loop.backend": "local", "launch.gpus": 0,
+                            "rollout.max_new_tokens": 128, "eval.episodes": 8}},
 }
 
 
@@ -161,3 +166,39 @@ def test_eval_samples_per_split():
     # the training tasks (no eval.splits) are "train_tasks" in a mapping
     c = load_config("demo", [], ["eval.splits=[]", "eval.samples={train_tasks: 5}"])
     assert c.eval.samples_for(None) == 5
+
+
+def test_the_loss_is_one_tagged_section():
+    c = load_config("alfworld", [], ["algo.loss.delta=0.02"])
+    assert c.algo.loss == FlashReinforceLoss(delta=0.02, negative_token_fraction=0.9)
+    # a variant that changes the loss's type starts the section afresh: flashreinforce's q does not leak into grpo
+    assert load_config("alfworld", ["grpo"]).algo.loss == GRPOLoss()
+    # so does --set ...type=, in order with the options that follow it; a bare name is the loss with its defaults
+    assert load_config("alfworld", [], ["algo.loss.type=grpo", "algo.loss.clip_eps=0.3"]).algo.loss == GRPOLoss(
+        clip_eps=0.3)
+    assert load_config("demo", [], ["algo.loss=grpo", "algo.loss.clip_eps=0.1"]).algo.loss == GRPOLoss(clip_eps=0.1)
+    assert load_config("demo", [], ["algo.loss={type: grpo, clip_eps: 0.5}"]).algo.loss == GRPOLoss(clip_eps=0.5)
+    # a section without a type is the default loss's
+    assert load_config({"algo": {"loss": {"no_trust": True}}}).algo.loss == FlashReinforceLoss(no_trust=True)
+
+
+def test_a_loss_option_error_names_its_key_and_the_losss_options():
+    with pytest.raises(ConfigError, match=r"algo\.loss\.clip_eps: unknown key \(valid keys here: type, delta, no_trust"):
+        load_config("demo", [], ["algo.loss.clip_eps=0.3"])  # flashreinforce has no clip_eps
+    with pytest.raises(ConfigError, match=r"  algo\.loss\.clip_eps: Input should be greater than 0"):
+        load_config("demo", [], ["algo.loss=grpo", "algo.loss.clip_eps=0"])
+    with pytest.raises(ConfigError, match=r"  algo\.loss: .*token_mean and constant_length"):
+        load_config("python_tool", ["constant_length"], ["algo.loss.token_mean=true"])
+    with pytest.raises(ConfigError, match=r"algo\.loss\.no_trust: unknown key \(valid keys here: type, clip_eps\)"):
+        load_config("demo", ["grpo", "no_trust"])  # an option of another loss
+
+
+@pytest.mark.parametrize("old,new", [("delta", "algo.loss.delta"), ("no_trust", "algo.loss.no_trust"),
+                                     ("negative_token_fraction", "algo.loss.negative_token_fraction"),
+                                     ("grpo_clip_eps", "algo.loss.clip_eps")])
+def test_an_old_loss_key_fails_with_one_line_naming_the_new_one(old, new):
+    with pytest.raises(ConfigError) as e:
+        load_config("demo", [], [f"algo.{old}=1"])
+    assert f"algo.{old} is now {new}" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=f"algo.{old} is now"):
+        load_config({"algo": {old: 1}})  # an old preset file too

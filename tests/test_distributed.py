@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from agentenv.core.config import FlashReinforceLoss
 from agentenv.core.trajectory import Trajectory
 from agentenv.trainer import Learner, LearnerConfig
 from agentenv.trainer.distributed import ShardedLearner
@@ -54,7 +55,7 @@ def batch_of_trajectories(n=6, seed=1):
 # delta admits all but the most drifted rows, so the mask is non-trivial and must be gathered correctly; the failure
 # filter needs entropies; a token budget gives the two ranks DIFFERENT numbers of micro-batches; the two updates are
 # the weight average's window, each rank averaging its own shard
-CONFIG = LearnerConfig(lr=1e-6, delta=1.3, max_grad_norm=100.0, negative_token_fraction=0.5,
+CONFIG = LearnerConfig(lr=1e-6, loss=FlashReinforceLoss(delta=1.3, negative_token_fraction=0.5), max_grad_norm=100.0,
                        max_tokens_per_microbatch=60, autocast="none", total_steps=2, average_last_updates=2)
 
 

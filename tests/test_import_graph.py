@@ -1,6 +1,7 @@
 """The package has no import cycles, including hidden ones (imports inside functions count too); its layers import
-only downwards (core <- sandboxes <- envs <- samplers <- trainer <- run <- cli); and no module in ``trainer/`` grows
-past ~400 lines (the loop is wiring; each part is one idea)."""
+only downwards (core <- sandboxes <- envs <- samplers <- trainer <- run <- cli); no module in ``trainer/`` grows
+past ~400 lines (the loop is wiring; each part is one idea); and no module in the four packages grows past 420 lines
+nor a function past 80, beyond a named list of known ones."""
 
 import importlib.util
 from pathlib import Path
@@ -38,3 +39,27 @@ def test_the_checker_finds_an_upward_import():
 def test_trainer_modules_stay_small():
     sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "trainer").glob("*.py")}
     assert max(sizes.values()) <= 420, sizes
+
+
+# Over the limits today, each with its owner's plan to shrink it; nothing may join the list. (Sizes are left out so
+# that shrinking one does not break this test; growing one past another limit is still caught below.)
+KNOWN_OVERSIZE = {
+    "agentenv/samplers/vllm_policy.py",  # the vLLM sampler, being split with the engine placement work
+    "agentenv/run/endpoint_eval.py:cmd_eval_endpoint",
+    "sandboxes/_runner.py:_main",
+}
+
+
+def test_no_module_over_420_lines_and_no_function_over_80_in_the_four_packages():
+    found = {v.split(" (")[0] for v in import_graph.size_violations()}
+    assert found <= KNOWN_OVERSIZE, sorted(found - KNOWN_OVERSIZE)
+
+
+def test_the_size_check_measures_functions_and_modules(tmp_path, monkeypatch):
+    pkg = tmp_path / "envs"
+    pkg.mkdir()
+    body = "\n".join(f"        x{i} = {i}" for i in range(81))
+    (pkg / "big.py").write_text(f"def small():\n    pass\n\n\nclass A:\n    def long(self):\n{body}\n")
+    (pkg / "long.py").write_text("x = 1\n" * 421)
+    monkeypatch.setattr(import_graph, "ROOT", tmp_path)
+    assert import_graph.size_violations() == ["envs/big.py:long (82 lines)", "envs/long.py (421 lines)"]

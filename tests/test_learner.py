@@ -10,11 +10,14 @@ import random
 import pytest
 import torch
 
-from agentenv.samplers.tiny import QWEN25_VOCAB_SIZE, TinyConfig, tiny_model
+from agentenv.core.config import FlashReinforceLoss, LossConfig
 from agentenv.core.trajectory import Trajectory
+from agentenv.samplers.tiny import QWEN25_VOCAB_SIZE, TinyConfig, tiny_model
 from agentenv.trainer import Learner, LearnerConfig, collate, microbatches, token_log_probs
 from agentenv.trainer import checkpoint as ckpt
 from agentenv.trainer.schedule import Schedule, constant, cosine_with_min_lr
+
+NO_TRUST = FlashReinforceLoss(no_trust=True)  # every row admitted
 
 
 SHAPE = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32)
@@ -124,7 +127,7 @@ def test_a_trajectory_is_never_used_twice(base):
 
 @pytest.mark.parametrize("overrides, vocab", [
     ({}, "real"),
-    ({"negative_token_fraction": 0.5, "token_mean": True, "no_is": True}, "small"),
+    ({"loss": FlashReinforceLoss(negative_token_fraction=0.5, token_mean=True, no_is=True)}, "small"),
     ({"loss": "grpo"}, "small"),
 ])
 def test_micro_batched_update_equals_the_full_batch_update(base, real_vocab, overrides, vocab):
@@ -176,14 +179,14 @@ def test_all_rejected_batch_gives_zero_gradient(base):
     assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
     assert not learner.optimizer.state  # Adam never stepped
     # the no_trust ablation admits them, and the importance ratio pi/mu ~ 1e-5 shows it
-    stats = Learner(copy.deepcopy(base), LearnerConfig(no_trust=True)).update(trajs)
+    stats = Learner(copy.deepcopy(base), LearnerConfig(loss=NO_TRUST)).update(trajs)
     assert stats["acceptance_rate"] == 1.0 and stats["ratio_max"] < 1e-2
 
 
 def test_failure_filter_in_the_learner(base):
     trajs = make_trajectories(base, 6, seed=6)
     assert any(not t.success for t in trajs)
-    stats = Learner(copy.deepcopy(base), LearnerConfig(negative_token_fraction=0.25)).update(trajs)
+    stats = Learner(copy.deepcopy(base), LearnerConfig(loss=FlashReinforceLoss(negative_token_fraction=0.25))).update(trajs)
     want = sum(t.num_policy_tokens if t.success else math.ceil(0.25 * t.num_policy_tokens) for t in trajs)
     assert stats["retained_tokens"] == want < stats["policy_tokens"]
     assert "entropy_mean" in stats
@@ -290,8 +293,10 @@ def test_schedules():
         Schedule("cosine")
     with pytest.raises(ValueError, match="unknown schedule"):
         Schedule("linear")
-    with pytest.raises(ValueError, match="loss must be"):
+    with pytest.raises(ValueError, match="loss must be one of .*'grpo'.*got 'ppo'"):
         LearnerConfig(loss="ppo")
+    with pytest.raises(ValueError, match="clip_eps"):
+        LearnerConfig(loss={"type": "grpo", "clip_eps": 0})
 
 
 # --- weights for rollout workers ----------------------------------------------------------------------------------
@@ -380,7 +385,7 @@ def test_sampling_temperature_must_match(base):
     learner = Learner(copy.deepcopy(base))
     with pytest.raises(ValueError, match="temperature 0.7"):
         learner.update(trajs)
-    stats = Learner(copy.deepcopy(base), LearnerConfig(temperature=0.7, no_trust=True)).update(trajs[1:])
+    stats = Learner(copy.deepcopy(base), LearnerConfig(temperature=0.7, loss=NO_TRUST)).update(trajs[1:])
     assert stats["step"] == 1
 
 
@@ -392,7 +397,7 @@ def test_learner_config_defaults_equal_the_run_config_defaults():
 
     algo = AlgoConfig()
     shared = {f.name for f in dataclasses.fields(LearnerConfig)} & set(AlgoConfig.model_fields)
-    assert {"delta", "lr", "loss", "constant_length", "negative_token_fraction", "weight_decay"} <= shared
+    assert {"lr", "loss", "weight_decay"} <= shared
     mine = LearnerConfig()
     for name in sorted(shared):
         assert getattr(mine, name) == getattr(algo, name), name
@@ -401,15 +406,28 @@ def test_learner_config_defaults_equal_the_run_config_defaults():
     assert set(AlgoConfig.model_fields) - shared == NOT_LEARNER_FIELDS  # every other algo field reaches the learner
 
 
+def test_every_loss_in_the_config_is_registered_with_its_section():
+    from typing import get_args
+
+    from agentenv.trainer.losses import LOSSES, get_loss
+
+    sections = get_args(get_args(LossConfig)[0])  # Annotated[Union[...], discriminator] -> the members
+    assert {s.model_fields["type"].default: s for s in sections} == {n: spec.section for n, spec in LOSSES.items()}
+    assert all(get_loss(s()).section is s for s in sections)
+
+
 def test_learner_config_from_reads_every_section_it_names():
     from agentenv.core.config import load_config
     from agentenv.trainer import learner_config_from
 
-    cfg = load_config("python_tool", overrides=["algo.delta=0.02", "algo.constant_length=6144", "algo.no_is=true",
+    cfg = load_config("python_tool", overrides=["algo.loss.delta=0.02", "algo.loss.constant_length=6144",
+                                           "algo.loss.no_is=true",
                                            "rollout.temperature=0.7", "loop.total_updates=12",
                                            "model.gradient_checkpointing=true", "model.dtype=bfloat16"])
     lc = learner_config_from(cfg)
-    assert (lc.delta, lc.constant_length, lc.no_is, lc.temperature, lc.total_steps) == (0.02, 6144, True, 0.7, 12)
+    assert lc.loss is cfg.algo.loss  # the section itself: no field is copied
+    assert (lc.loss.delta, lc.loss.constant_length, lc.loss.no_is, lc.temperature, lc.total_steps) == (
+        0.02, 6144, True, 0.7, 12)
     assert lc.gradient_checkpointing and lc.autocast == "bf16" and lc.lr == cfg.algo.lr
     assert learner_config_from(load_config("python_tool", overrides=["model.dtype=float32"])).autocast == "none"
     with pytest.raises(ValueError, match="float16"):
@@ -422,7 +440,7 @@ def test_learner_config_from_reads_every_section_it_names():
 def test_bf16_model_keeps_float32_master_weights_that_learn_at_the_papers_lr(base):
     model = copy.deepcopy(base).to(torch.bfloat16)  # what loading a bf16 preset used to give the learner
     start = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    learner = Learner(model, LearnerConfig(lr=1e-6, autocast="bf16", no_trust=True))
+    learner = Learner(model, LearnerConfig(lr=1e-6, autocast="bf16", loss=NO_TRUST))
     assert learner.components() == {"strategy": "single", "world_size": 1, "master_dtype": "float32",
                                      "compute_dtype": "bfloat16"}
     for i in range(10):
@@ -443,7 +461,7 @@ def test_save_pretrained_writes_a_loadable_float32_model_with_its_tokenizer(tmp_
     from agentenv.trainer.model_io import load_learner_model
 
     src = materialize_tiny(TinyConfig(**SHAPE, seed=3, vocab="small"))
-    learner = Learner(load_learner_model(src), LearnerConfig(lr=1e-3, no_trust=True))
+    learner = Learner(load_learner_model(src), LearnerConfig(lr=1e-3, loss=NO_TRUST))
     start = {k: v.clone() for k, v in learner.model.state_dict().items()}
     learner.update(make_trajectories(learner.model, 3, seed=21))
     learner.save_pretrained(tmp_path / "final_model", source=src)
@@ -457,7 +475,7 @@ def test_save_pretrained_writes_a_loadable_float32_model_with_its_tokenizer(tmp_
 
 
 def test_lag_is_measured_against_the_weights_the_gradient_was_computed_at(base):
-    learner = Learner(copy.deepcopy(base), LearnerConfig(no_trust=True))
+    learner = Learner(copy.deepcopy(base), LearnerConfig(loss=NO_TRUST))
     stats = learner.update(make_trajectories(base, 3, seed=31))  # sampled by version 0, learner at version 0
     assert (stats["policy_lag_mean"], stats["policy_lag_max"], stats["policy_version"]) == (0, 0, 1)
     stats = learner.update(make_trajectories(base, 3, seed=32))  # still version-0 samples, learner now at 1
@@ -481,7 +499,7 @@ def test_truncated_sampling_statistic_and_lag0_rejection_warning(base, caplog):
 
 
 def test_constant_length_ablation_through_the_learner(base):
-    """The registry passes algo.constant_length to the loss: each row's token sum is divided by B * L, not B * T_i."""
+    """The registry passes algo.loss.constant_length to the loss: each row's token sum is divided by B * L, not B * T_i."""
     trajs = make_trajectories(base, 3, seed=51, drift=0.0)
     batch = collate(trajs)
     with torch.no_grad():
@@ -489,19 +507,26 @@ def test_constant_length_ablation_through_the_learner(base):
     sums, lengths = lp.double().sum(1), batch.action_mask.sum(1).double()
     adv = batch.rewards - batch.rewards.mean()
     for kw, denom in (({}, 3 * lengths), ({"constant_length": 64}, torch.full((3,), 3 * 64.0))):
-        stats = Learner(copy.deepcopy(base), LearnerConfig(no_trust=True, **kw)).update(
+        stats = Learner(copy.deepcopy(base), LearnerConfig(loss=FlashReinforceLoss(no_trust=True, **kw))).update(
             [dataclasses.replace(t, id=f"{t.id}-{len(kw)}") for t in trajs])
         assert stats["ratio_max"] == pytest.approx(1.0, abs=1e-5)  # mu = pi: rho = 1
         assert stats["loss"] == pytest.approx(float(-(adv * sums / denom).sum()), rel=1e-4)
 
 
 def test_a_new_loss_is_one_registered_function(base):
-    """The registry's extension point: a plain on-policy REINFORCE registered here trains through the same learner,
-    and its stats are merged the same way (per-row advantages, token counts, weighted ratio mean)."""
+    """The registry's extension point: a plain on-policy REINFORCE registered here with its options section trains
+    through the same learner, and its stats are merged the same way (per-row advantages, token counts, weighted ratio
+    mean)."""
+    from typing import Literal
+
+    from agentenv.core.config import LossSection
     from agentenv.trainer.losses import LOSSES, LossResult, register_loss
 
-    @register_loss("test_reinforce", options=lambda c: {})
-    def reinforce(inp, **_):
+    class TestReinforce(LossSection):
+        type: Literal["test_reinforce"] = "test_reinforce"
+
+    @register_loss(TestReinforce)
+    def reinforce(inp, options: TestReinforce):
         adv = (inp.rewards - inp.full_batch.reward_mean).float()
         per_row = torch.where(inp.action_mask, inp.log_probs, 0.0).sum(1) / inp.action_mask.sum(1)
         loss = -(adv * per_row).sum() / inp.full_batch.num_trajectories
@@ -511,9 +536,9 @@ def test_a_new_loss_is_one_registered_function(base):
 
     try:
         trajs = make_trajectories(base, 5, seed=61)
-        stats = Learner(copy.deepcopy(base), LearnerConfig(loss="test_reinforce", max_tokens_per_microbatch=40)
+        stats = Learner(copy.deepcopy(base), LearnerConfig(loss=TestReinforce(), max_tokens_per_microbatch=40)
                         ).update(trajs)
-        ref = Learner(copy.deepcopy(base), LearnerConfig(no_is=True, max_tokens_per_microbatch=40)).update(
+        ref = Learner(copy.deepcopy(base), LearnerConfig(loss=FlashReinforceLoss(no_is=True), max_tokens_per_microbatch=40)).update(
             [dataclasses.replace(t, id=t.id + "-ref") for t in trajs])  # no_is: the same estimator, every row kept
         assert stats["num_microbatches"] > 1 and stats["ratio_mean"] == 1.0
         # the loss is a small difference of O(1) row terms: compare it absolutely (float32 summation order differs)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from agentenv.trainer.loss import (
+from agentenv.trainer.objectives import (
     FullBatch,
     flashreinforce_loss,
     group_advantages,

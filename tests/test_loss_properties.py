@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentenv.trainer.loss import FullBatch, flashreinforce_loss
+from agentenv.trainer.objectives import FullBatch, flashreinforce_loss
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

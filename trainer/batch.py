@@ -27,7 +27,7 @@ from torch import Tensor
 
 from agentenv.core.trajectory import Trajectory
 
-from .loss import FullBatch
+from .objectives import FullBatch
 
 
 @dataclass

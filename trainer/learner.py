@@ -49,13 +49,15 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 from torch import Tensor
 
+from agentenv.core.config import AlgoConfig, FlashReinforceLoss, LossSection
 from agentenv.core.trajectory import Trajectory
 
 from . import checkpoint as ckpt
@@ -70,8 +72,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LearnerConfig:
-    """Every field shared with :class:`agentenv.core.config.AlgoConfig` has the SAME default (a test holds them equal);
-    build one from a run config with :func:`learner_config_from`."""
+    """The learner's optimizer and compute settings; the loss and its options are ONE typed section (``loss``, the
+    config's ``algo.loss``: :mod:`~agentenv.trainer.losses`). Every field shared with
+    :class:`agentenv.core.config.AlgoConfig` has the SAME default (a test holds them equal); build one from a run
+    config with :func:`learner_config_from`."""
 
     # optimizer
     lr: float = 1e-6
@@ -84,16 +88,10 @@ class LearnerConfig:
     total_steps: int | None = None  # needed by "cosine"
     warmup_ratio: float = 0.03
     min_lr_ratio: float = 0.1
-    # objective (a name registered in losses.py, and its options)
-    loss: str = "flashreinforce"
-    delta: float = 1e-3  # sequence trust threshold on the mean sampled-token Bernoulli KL
-    no_trust: bool = False  # ablation: delta = inf
-    no_is: bool = False  # ablation (paper): ratio denominator = detached current policy, and no gate
-    token_mean: bool = False  # ablation: 1 / sum_j T_j instead of 1 / (B T_i)
-    constant_length: int | None = None  # ablation: 1 / (B L) instead of 1 / (B T_i)
-    negative_token_fraction: float = 1.0  # < 1 keeps only the top-entropy fraction of a failed row's tokens
+    # objective: a registered loss's options section (a name or a mapping is validated into one: "grpo",
+    # {"type": "flashreinforce", "no_trust": True})
+    loss: LossSection | str | dict = field(default_factory=FlashReinforceLoss)
     failure_threshold: float | None = None  # failed = reward < this; None: failed = not success
-    grpo_clip_eps: float = 0.2
     # tail averaging (see use_average): the mean of the weights after each of the last N of total_steps updates
     average_last_updates: int = 0
     # compute
@@ -106,6 +104,12 @@ class LearnerConfig:
     pad_token_id: int | None = None  # None: model.config.pad_token_id, else 0
 
     def __post_init__(self):
+        if not isinstance(self.loss, LossSection):
+            try:  # the config's own rules (the union, the shorthand, each option's range)
+                self.loss = AlgoConfig(loss=self.loss).loss
+            except ValidationError as e:
+                raise ValueError(f"loss must be one of {sorted(LOSSES)} with valid options, got {self.loss!r}: "
+                                 f"{e.errors()[0]['msg']}") from None
         get_loss(self.loss)  # a clear error listing the registered losses
         if self.autocast not in ("auto", "bf16", "none"):
             raise ValueError(f"autocast must be auto, bf16 or none, got {self.autocast!r}")
@@ -113,13 +117,14 @@ class LearnerConfig:
             raise ValueError("need lr > 0, weight_decay >= 0, max_grad_norm > 0")
         if self.average_last_updates < 0 or (self.average_last_updates and not self.total_steps):
             raise ValueError("average_last_updates needs total_steps (the window is the last N of them) and N >= 0")
-        if self.token_mean and self.constant_length is not None:
-            raise ValueError("token_mean and constant_length are two different normalisations: choose one")
         self.betas = tuple(self.betas)
         self.lr_schedule()  # validates the schedule fields
 
     def lr_schedule(self) -> Schedule:
         return Schedule(self.schedule, self.total_steps, self.warmup_ratio, self.min_lr_ratio)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"loss": self.loss.model_dump(mode="json")}
 
 
 _COMPUTE_DTYPES = {"auto": "auto", "float32": "none", "bfloat16": "bf16"}
@@ -127,19 +132,19 @@ NOT_LEARNER_FIELDS = frozenset({"allow_truncated_sampling"})  # algo.* used befo
 
 
 def learner_config_from(cfg, **overrides) -> LearnerConfig:
-    """THE conversion from a :class:`agentenv.core.config.RunConfig`: ``cfg.algo`` (every field LearnerConfig shares),
-    ``cfg.rollout.temperature``, ``cfg.loop.total_updates``, ``cfg.model.gradient_checkpointing`` and
-    ``cfg.model.dtype`` (the compute dtype; float16 is refused: bf16 needs no loss scaling, fp16 would). The one
-    ``algo`` field that is not the learner's is :data:`NOT_LEARNER_FIELDS` (read by the run's preflight)."""
+    """THE conversion from a :class:`agentenv.core.config.RunConfig`: ``cfg.algo`` (every field LearnerConfig shares;
+    ``algo.loss`` is passed as the section it is), ``cfg.rollout.temperature``, ``cfg.loop.total_updates``,
+    ``cfg.model.gradient_checkpointing`` and ``cfg.model.dtype`` (the compute dtype; float16 is refused: bf16 needs
+    no loss scaling, fp16 would). The one ``algo`` field that is not the learner's is :data:`NOT_LEARNER_FIELDS`
+    (read by the run's preflight)."""
     if cfg.model.dtype not in _COMPUTE_DTYPES:
         raise ValueError(f"model.dtype={cfg.model.dtype!r} is not a learner compute dtype: "
                          "use bfloat16, float32 or auto")
     own = {f.name for f in fields(LearnerConfig)}
-    algo = cfg.algo.model_dump()
-    unknown = set(algo) - own - NOT_LEARNER_FIELDS
+    unknown = set(type(cfg.algo).model_fields) - own - NOT_LEARNER_FIELDS
     if unknown:  # a new algo field must be consumed here or declared as someone else's, never silently dropped
         raise ValueError(f"algo fields {sorted(unknown)} have no LearnerConfig counterpart")
-    shared = {k: v for k, v in algo.items() if k in own}
+    shared = {k: getattr(cfg.algo, k) for k in type(cfg.algo).model_fields if k in own}
     kw = dict(shared, temperature=cfg.rollout.temperature, total_steps=cfg.loop.total_updates,
               gradient_checkpointing=cfg.model.gradient_checkpointing, autocast=_COMPUTE_DTYPES[cfg.model.dtype],
               compute_entropy=True)
@@ -238,7 +243,7 @@ class Learner:
         rank, world = self.rank_world
         full = batch.full_batch()  # whole-batch totals: identical on every rank
         prepared = spec.prepare(batch) if spec.prepare else {}
-        with_entropy = spec.needs_entropy(cfg) or cfg.compute_entropy
+        with_entropy = spec.needs_entropy(cfg.loss) or cfg.compute_entropy
         mine = _rank_rows(len(batch), rank, world)
         local = [([mine[i] for i in rows], mb)  # rows of the whole batch, for the loss's prepared tensors and stats
                  for rows, mb in microbatches(batch.select(mine), cfg.max_tokens_per_microbatch)]
@@ -257,7 +262,7 @@ class Learner:
             extra = {k: v[rows].to(self.device) for k, v in prepared.items()}
             inputs = LossInputs(logp, mb.behavior_log_probs, mb.action_mask, mb.rewards, mb.failures, full,
                                 ent if with_entropy else None, extra)
-            result = spec.compute(inputs, **spec.options(cfg))
+            result = spec.compute(inputs, cfg.loss)
             if i >= len(local):  # a repeat that only keeps this rank in step with the others' collectives
                 (result.loss * 0.0).backward()
                 continue
@@ -366,7 +371,7 @@ class Learner:
             "consumed": sorted(self.consumed),
             **self.average.state(),  # weight_average, averaged_updates
             "schedule": asdict(self.schedule),
-            "config": json.dumps(asdict(self.config)),
+            "config": json.dumps(self.config.to_dict()),
             "rng": ckpt.rng_state(),
         }
 

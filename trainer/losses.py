@@ -1,20 +1,23 @@
-"""The losses the learner can optimise, by name, behind one typed interface.
+"""The losses the learner can optimise, each registered with its typed options section, behind one interface.
 
 Contract:
 
-* A loss is registered with :func:`register_loss` as ``compute(inputs: LossInputs, **options) -> LossResult``.
-  ``options(config)`` picks the loss's keyword-only options from a
-  :class:`~agentenv.trainer.learner.LearnerConfig`; ``prepare(batch)`` (optional) computes per-row tensors that need
-  the WHOLE batch (GRPO's group advantages), which the learner slices per micro-batch into ``inputs.extra``;
-  ``needs_entropy(config)`` says whether the learner must compute per-token entropies.
+* A loss is its options section (a :class:`~agentenv.core.config.LossSection` whose ``type`` literal is the loss's
+  name: a member of the config's ``algo.loss`` union) and one function registered for it here with
+  ``@register_loss(Section)``: ``compute(inputs: LossInputs, options: Section) -> LossResult``. ``prepare(batch)``
+  (optional) computes per-row tensors that need the WHOLE batch (GRPO's group advantages), which the learner slices
+  per micro-batch into ``inputs.extra``; ``needs_entropy(options)`` says whether the learner must compute per-token
+  entropies. The learner holds the section itself (``LearnerConfig.loss``): no field is copied anywhere.
 * :class:`LossResult` is the same for every loss, so the learner merges micro-batches one way:
   ``rows`` are per-trajectory ``[b]`` tensors (put back in batch order; ``advantages``, ``policy_tokens`` and
   ``retained_tokens`` are required), ``sums`` are added (``loss``: the micro-batch shares add up to the full loss),
   ``means`` are ``name -> (value, weight)`` merged as weighted means, ``maxima`` / ``minima`` merged by max / min.
   A NaN value (weight 0 for a mean) means "no such token in this micro-batch" and is left out of the merge.
-* Adding a loss = one registered function here + a preset variant (``algo: {loss: NAME}``).
+* Adding a loss = its section in ``agentenv.core.config.LossConfig`` (the config is the layer below: it cannot import
+  this module) + one registered function here + a preset variant (``algo: {loss: {type: NAME}}``).
+  tests/test_learner.py holds the union's members and this registry equal.
 
-The objectives themselves (the math, hand-checked in tests) live in :mod:`agentenv.trainer.loss`.
+The objectives themselves (the math, hand-checked in tests) live in :mod:`agentenv.trainer.objectives`.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from typing import Callable
 
 from torch import Tensor
 
+from agentenv.core.config import FlashReinforceLoss, GRPOLoss, LossSection
+
 from .batch import Batch
-from .loss import FullBatch, flashreinforce_loss, group_advantages, grpo_loss
+from .objectives import FullBatch, flashreinforce_loss, group_advantages, grpo_loss
 
 
 @dataclass(frozen=True)
@@ -55,60 +60,62 @@ class LossResult:
 
 @dataclass(frozen=True)
 class LossSpec:
-    name: str
-    compute: Callable[..., LossResult]
-    options: Callable[[object], dict]
+    section: type[LossSection]  # the loss's options; its `type` literal is the loss's name
+    compute: Callable[[LossInputs, LossSection], LossResult]
     prepare: Callable[[Batch], dict[str, Tensor]] | None = None
-    needs_entropy: Callable[[object], bool] = lambda config: False
+    needs_entropy: Callable[[LossSection], bool] = lambda options: False
+
+    @property
+    def name(self) -> str:
+        return loss_name(self.section)
 
 
 LOSSES: dict[str, LossSpec] = {}
 
 
-def register_loss(name: str, *, options: Callable[[object], dict], prepare=None, needs_entropy=None):
-    """Decorator: register ``compute`` under ``name`` (names are unique)."""
+def loss_name(section: type[LossSection]) -> str:
+    name = section.model_fields["type"].default
+    if not isinstance(name, str):
+        raise TypeError(f"{section.__name__}.type must default to the loss's name (a Literal), got {name!r}")
+    return name
+
+
+def register_loss(section: type[LossSection], *, prepare=None, needs_entropy=None):
+    """Decorator: register ``compute`` as the loss whose options are ``section`` (names are unique)."""
     def wrap(compute):
+        name = loss_name(section)
         if name in LOSSES:
             raise ValueError(f"loss {name!r} is already registered")
-        LOSSES[name] = LossSpec(name, compute, options, prepare, needs_entropy or (lambda config: False))
+        LOSSES[name] = LossSpec(section, compute, prepare, needs_entropy or (lambda options: False))
         return compute
     return wrap
 
 
-def get_loss(name: str) -> LossSpec:
-    if name not in LOSSES:
-        raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {name!r}")
-    return LOSSES[name]
+def get_loss(options: LossSection) -> LossSpec:
+    """The registered loss for an options section (its ``type``), checking the section is the registered class."""
+    spec = LOSSES.get(getattr(options, "type", None))
+    if spec is None or not isinstance(options, spec.section):
+        raise ValueError(f"loss must be an options section of one of {sorted(LOSSES)}, got {options!r}")
+    return spec
 
 
-def _filtering(config) -> bool:
-    return config.negative_token_fraction < 1.0
-
-
-@register_loss(
-    "flashreinforce",
-    options=lambda c: dict(delta=math.inf if c.no_trust else c.delta, negative_token_fraction=c.negative_token_fraction,
-                           no_is=c.no_is, token_mean=c.token_mean, constant_length=c.constant_length),
-    needs_entropy=_filtering,
-)
-def flashreinforce(inp: LossInputs, *, delta: float, negative_token_fraction: float, no_is: bool, token_mean: bool,
-                   constant_length: int | None) -> LossResult:
-    filtering = negative_token_fraction < 1.0
+@register_loss(FlashReinforceLoss, needs_entropy=lambda o: o.negative_token_fraction < 1.0)
+def flashreinforce(inp: LossInputs, o: FlashReinforceLoss) -> LossResult:
+    filtering = o.negative_token_fraction < 1.0
     loss, st = flashreinforce_loss(
-        inp.log_probs, inp.behavior_log_probs, inp.rewards, inp.action_mask, delta=delta,
-        negative_token_fraction=negative_token_fraction, entropies=inp.entropies if filtering else None,
-        failures=inp.failures if filtering else None, no_is=no_is, token_mean=token_mean,
-        constant_length=constant_length, full_batch=inp.full_batch,
+        inp.log_probs, inp.behavior_log_probs, inp.rewards, inp.action_mask,
+        delta=math.inf if o.no_trust else o.delta, negative_token_fraction=o.negative_token_fraction,
+        entropies=inp.entropies if filtering else None, failures=inp.failures if filtering else None,
+        no_is=o.no_is, token_mean=o.token_mean, constant_length=o.constant_length, full_batch=inp.full_batch,
     )
     rows = {k: st[k] for k in ("advantages", "policy_tokens", "retained_tokens", "seq_kl", "admitted")}
     return _result(loss, rows, st)
 
 
-@register_loss("grpo", options=lambda c: dict(clip_eps=c.grpo_clip_eps),
-               prepare=lambda batch: {"advantages": group_advantages(batch.rewards, batch.group_ids)})
-def grpo(inp: LossInputs, *, clip_eps: float) -> LossResult:
+@register_loss(GRPOLoss, prepare=lambda batch: {"advantages": group_advantages(batch.rewards, batch.group_ids)})
+def grpo(inp: LossInputs, o: GRPOLoss) -> LossResult:
     loss, st = grpo_loss(inp.log_probs, inp.behavior_log_probs, inp.extra["advantages"], inp.action_mask,
-                         clip_eps=clip_eps, num_policy_tokens=inp.full_batch.num_policy_tokens)
+                         clip_eps=o.clip_eps, num_policy_tokens=inp.full_batch.num_policy_tokens)
     result = _result(loss, {k: st[k] for k in ("advantages", "policy_tokens", "retained_tokens")}, st)
     result.means["clip_fraction"] = (float(st["clip_fraction"]), float(st["retained_tokens"].sum()))
     return result

@@ -8,7 +8,7 @@ Contract of :func:`lag0_trust_check`: sample ``n_sequences`` short generations (
 through the real sampler (:class:`agentenv.samplers.hf_policy.HFPolicy`, the processed distribution) with the given
 settings, score the sampled tokens with the learner's pi (:func:`~agentenv.trainer.logprobs.token_log_probs`,
 temperature only), and return ``(acceptance, seq_kl)``: the share of generations whose mean sampled-token Bernoulli
-KL(mu || pi) is <= ``delta`` (the gate's own rule, :func:`~agentenv.trainer.loss.sequence_kl`) and the mean of that
+KL(mu || pi) is <= ``delta`` (the gate's own rule, :func:`~agentenv.trainer.objectives.sequence_kl`) and the mean of that
 KL. Deterministic for a given ``seed``. The caller (the run's preflight) refuses settings whose acceptance is below
 its bound unless ``algo.allow_truncated_sampling`` is set.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .logprobs import token_log_probs
-from .loss import sequence_kl
+from .objectives import sequence_kl
 
 
 def lag0_trust_check(model, tokenizer, *, temperature: float, top_p: float, top_k: int, delta: float,

@@ -7,10 +7,14 @@ Contract:
   (a nested mapping merged on top of the preset). Every field has a default, so a preset states only what it sets.
 * :func:`load_config(preset, variants, overrides)` = preset, then each variant in order, then ``--set`` overrides
   (``"a.b=value"``; the value is parsed as YAML, so ``1e-3``, ``true``, ``[1, 2]``, ``null`` work), then validation.
+* ``algo.loss`` is a tagged section (a pydantic discriminated union, :data:`LossConfig`): ``type`` names the loss
+  and the other keys are that loss's options (``{type: flashreinforce, delta: 1.0e-3}``, ``{type: grpo, clip_eps:
+  0.2}``); a bare name is that loss with its defaults. A variant or ``--set`` that changes ``type`` starts the
+  section afresh (the old loss's options do not carry over). The keys that moved into it (``algo.delta``, ...) fail
+  with one line naming their new place.
 * Unknown keys, wrong types and out-of-range values raise :class:`ConfigError` whose message names the dotted path
   and, for unknown keys, the valid ones. An unknown variant lists the preset's variants.
-* Presets are found by name in ``$AGENTENV_CONFIGS``, then the repository's ``configs/`` (next to the package), then
-  ``./configs``; a path to a ``.yaml`` file works too.
+* Finding, reading and merging preset files is :mod:`agentenv.core.presets` (its names are re-exported here).
 
 Pure data: nothing here builds models or envs (that is :mod:`agentenv.run.train`).
 """
@@ -18,16 +22,15 @@ Pure data: nothing here builds models or envs (that is :mod:`agentenv.run.train`
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-
-class ConfigError(ValueError):
-    """A preset or override is invalid; the message names the dotted key and what is allowed."""
+from .presets import (  # noqa: F401  (re-exported: the config's public names are imported from here)
+    ConfigError, apply_override, config_dirs, deep_merge, find_preset, list_presets, parse_override, preset_variants,
+    read_yaml)
 
 
 class _Section(BaseModel):
@@ -69,30 +72,74 @@ class RolloutSection(_Section):
     top_k: int = Field(0, ge=0)
 
 
-class AlgoConfig(_Section):
-    loss: Literal["flashreinforce", "grpo"] = "flashreinforce"
+class LossSection(_Section):
+    """A loss's typed options: ``type`` names the loss (its tag in :data:`LossConfig`); the fields are its options.
+    :func:`agentenv.trainer.losses.register_loss` binds a section class to the loss's compute function."""
+
+    type: str
+
+
+class FlashReinforceLoss(LossSection):
+    """The FlashREINFORCE objective (``agentenv.trainer.objectives.flashreinforce_loss``) and the paper's ablations."""
+
+    type: Literal["flashreinforce"] = "flashreinforce"
     delta: float = Field(1e-3, ge=0)  # sequence trust threshold; .inf allowed
-    no_trust: bool = False
-    no_is: bool = False
-    token_mean: bool = False
+    no_trust: bool = False  # ablation: delta = inf
+    no_is: bool = False  # ablation: ratio 1 and no gate
+    token_mean: bool = False  # ablation: 1 / sum_j T_j instead of 1 / (B T_i)
     negative_token_fraction: float = Field(1.0, ge=0, le=1)  # failure filter q (1.0 = off)
+    # ablation "constant_length": each trajectory's token sum is divided by this constant instead of its own length
+    constant_length: Optional[int] = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_normalisation(self):
+        if self.token_mean and self.constant_length is not None:
+            raise ValueError("token_mean and constant_length are two different normalisations: choose one")
+        return self
+
+
+class GRPOLoss(LossSection):
+    """The GRPO baseline: group-mean advantages, PPO-clipped token mean (``objectives.grpo_loss``)."""
+
+    type: Literal["grpo"] = "grpo"
+    clip_eps: float = Field(0.2, gt=0)
+
+
+# `algo.loss` is one of these, chosen by its `type` (a missing type means the default loss, flashreinforce; a bare
+# name is shorthand for that loss with its defaults: `--set algo.loss=grpo`)
+LossConfig = Annotated[Union[FlashReinforceLoss, GRPOLoss], Field(discriminator="type")]
+
+# algo keys that became a loss's options: an old preset or --set fails with the new key's name
+MOVED_ALGO_KEYS = {k: f"algo.loss.{k}" for k in ("delta", "no_trust", "no_is", "token_mean", "negative_token_fraction",
+                                                  "constant_length")}
+MOVED_ALGO_KEYS["grpo_clip_eps"] = "algo.loss.clip_eps (with algo.loss.type=grpo)"
+
+
+class AlgoConfig(_Section):
+    loss: LossConfig = Field(default_factory=FlashReinforceLoss)
     lr: float = Field(1e-6, gt=0)
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_ratio: float = Field(0.03, ge=0, le=1)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.1, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    grpo_clip_eps: float = Field(0.2, gt=0)
     # tail averaging: the run's final weights (final evaluation, final_model) are the uniform mean of the weights
     # after each of the last N updates (all of them when the run is shorter, e.g. a smoke); 0 = the last update's
     # weights. Rollouts always sample the current weights.
     average_last_updates: int = Field(0, ge=0)
     max_tokens_per_microbatch: Optional[int] = Field(None, ge=1)
-    # ablation "constant_length": each trajectory's token sum is divided by this constant instead of its own length
-    constant_length: Optional[int] = Field(None, ge=1)
     # top-k / top-p < 1 make mu != pi even at lag 0; the run refuses settings whose lag-0 gate would reject
     # (almost) everything unless this is set
     allow_truncated_sampling: bool = False
+
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _loss_shorthand(cls, v):
+        if isinstance(v, str):
+            return {"type": v}
+        if isinstance(v, dict) and "type" not in v:
+            return {"type": "flashreinforce", **v}
+        return v
 
 
 class LoopConfig(_Section):
@@ -269,90 +316,12 @@ class RunConfig(_Section):
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
 
-# --- presets ---------------------------------------------------------------------------------------------------------
-def config_dirs() -> list[Path]:
-    dirs = []
-    if os.environ.get("AGENTENV_CONFIGS"):
-        dirs.append(Path(os.environ["AGENTENV_CONFIGS"]))
-    here = Path(__file__).resolve().parent  # agentenv/core
-    dirs.append(here.parents[1] / "configs")  # the repo (editable install)
-    dirs.append(here.parent / "configs")  # installed wheel: configs/ ships as agentenv.configs
-    dirs.append(Path.cwd() / "configs")
-    return dirs
-
-
-def list_presets() -> dict[str, Path]:
-    out: dict[str, Path] = {}
-    for d in reversed(config_dirs()):
-        for p in sorted(d.glob("*.yaml")) if d.is_dir() else []:
-            out[p.stem] = p
-    return dict(sorted(out.items()))
-
-
-def find_preset(name: str) -> Path:
-    p = Path(name).expanduser()
-    if p.suffix in (".yaml", ".yml") and p.is_file():
-        return p
-    key = name
-    presets = list_presets()
-    if key not in presets:
-        raise ConfigError(f"no preset named {name!r}. Presets: {', '.join(presets) or '(none found)'}; searched "
-                          f"{', '.join(str(d) for d in config_dirs())}. Or pass a path to a .yaml file.")
-    return presets[key]
-
-
-def read_yaml(path: Path) -> dict:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a preset must be a YAML mapping, got {type(data).__name__}")
-    return data
-
-
-def deep_merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "kwargs":
-            out[k] = deep_merge(out[k], v)
-        elif isinstance(v, dict) and isinstance(out.get(k), dict):  # env.kwargs merges too, key by key
-            out[k] = {**out[k], **v}
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"--set expects KEY=VALUE with a dotted key (e.g. loop.batch_size=4), got {item!r}")
-    key, raw = item.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"--set: bad key {key!r}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.split("."), value
-
-
-def apply_override(data: dict, path: list[str], value: Any) -> None:
-    node = data
-    for part in path[:-1]:
-        nxt = node.setdefault(part, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"--set {'.'.join(path)}: {part!r} is a value, not a section")
-        node = nxt
-    node[path[-1]] = value
-
-
 def _format_errors(e: ValidationError) -> str:
     lines = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        loc = ".".join(_section_for(err["loc"])[1]) or "(top level)"
         if err["type"] == "extra_forbidden":
-            section = _section_for(err["loc"][:-1])
+            section = _section_for(err["loc"][:-1])[0]
             valid = ", ".join(section.model_fields) if section is not None else "?"
             lines.append(f"  {loc}: unknown key (valid keys here: {valid})")
         else:
@@ -360,18 +329,32 @@ def _format_errors(e: ValidationError) -> str:
     return "invalid config:\n" + "\n".join(lines)
 
 
-def _section_for(loc: tuple) -> type[BaseModel] | None:
-    model: type[BaseModel] = RunConfig
-    for part in loc:
-        field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None) if field else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
-        model = ann
-    return model
+def _section_for(loc: tuple) -> tuple[type[BaseModel] | None, tuple[str, ...]]:
+    """The section model at ``loc`` and the dotted key a user writes for it. Pydantic puts a tagged union's tag in
+    the location (``algo.loss.grpo.x``); it picks the member and is not part of the key (``algo.loss.x``)."""
+    model: type[BaseModel] | dict | None = RunConfig
+    key: list[str] = []
+    for part in map(str, loc):
+        if isinstance(model, dict):  # {tag: member} of a tagged union
+            model = model.get(part)
+            continue
+        key.append(part)
+        field = model.model_fields.get(part) if model is not None else None
+        ann = field.annotation if field is not None else None
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        elif field is not None and field.discriminator:
+            model = {m.model_fields[field.discriminator].default: m for m in ann.__args__}
+        else:
+            model = None
+    return (None if isinstance(model, dict) else model), tuple(key)
 
 
 def validate(data: dict) -> RunConfig:
+    moved = [k for k in (data.get("algo") or {}) if k in MOVED_ALGO_KEYS] if isinstance(data.get("algo"), dict) else []
+    if moved:
+        raise ConfigError(f"algo.{moved[0]} is now {MOVED_ALGO_KEYS[moved[0]]}: a loss's options live in its "
+                          "section algo.loss (e.g. algo: {loss: {type: flashreinforce, delta: 1.0e-3}})")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
@@ -404,7 +387,3 @@ def load_config(preset: str | Path | dict = "demo", variants: list[str] | tuple 
     data.setdefault("preset", name)
     data["variants"] = recorded + list(variants)
     return validate(data)
-
-
-def preset_variants(preset: str) -> list[str]:
-    return list((read_yaml(find_preset(preset)).get("variants") or {}).keys())

