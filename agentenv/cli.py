@@ -122,7 +122,7 @@ def cmd_rollout(args) -> int:
     m = batch_metrics(trajs)
     errors = sum(t.finish_reason in ("env_error", "policy_error", "template_error") for t in trajs)
     print(f"episodes={len(trajs)} success={m['success_rate']:.3f} turns={m['turns_mean']:.2f} "
-          f"tool_rate={m['tool_share']:.2f} tool_calls={m['tool_calls_mean']:.2f} "
+          f"tool_call_rate={m['tool_call_rate']:.2f} tool_calls={m['tool_calls_mean']:.2f} "
           f"tool_malformed={m['tool_malformed_mean']:.2f} tokens={m['tokens']} truncation={m['truncation_rate']:.3f} "
           f"errors={errors} wall={time.perf_counter() - t0:.1f}s -> {args.out}")
     return 0

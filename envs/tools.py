@@ -27,8 +27,10 @@ Contract:
   JSON object becomes a :class:`ToolCall` with ``error`` set; it is never dropped and never raises.
 * :func:`execute` runs one call against a ``{name: Tool}`` table and ALWAYS returns a :class:`ToolResult`: malformed
   calls, unknown tools, missing / unexpected / wrongly-typed arguments, exceptions raised by the tool (reported as
-  a short traceback of the tool's own frames) and unusable return values all become ``error=True`` results whose
-  ``content`` tells the policy what went wrong.
+  ``Type: message`` only -- no frames, so no host paths reach the model) and unusable return values all become
+  ``error=True`` results whose ``content`` tells the policy what went wrong. The developer's side goes to the log
+  (logger ``agentenv.envs.tools``), once per tool and problem: the full traceback of an exception, or the function's
+  file and line and the fix for a bad return value.
 * Return values: a ``str`` is the tool message as is; any other JSON-serialisable value (numbers, bools, None,
   lists, dicts) is sent as its JSON text; anything else (bytes, arbitrary objects) is a tool error naming the type,
   because silently ``str()``-ing it would show the model a repr it cannot use. A tool that needs to report its own
@@ -47,7 +49,10 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import logging
+import os
 import re
+import sys
 import traceback
 import types
 import typing
@@ -56,6 +61,8 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 import jsonschema
 from transformers.utils import get_json_schema
+
+log = logging.getLogger("agentenv.envs.tools")
 
 __all__ = [
     "Tool", "ToolCall", "ToolOutput", "ToolResult", "ToolDefinitionError",
@@ -349,16 +356,36 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
 
 # --- running --------------------------------------------------------------------------------------------------------
 
-def _traceback_summary(exc: BaseException, fn: Callable, limit: int = 3) -> str:
-    """The last frames from the tool's own code onwards, then the exception line."""
-    tb = traceback.extract_tb(exc.__traceback__)
+def _where(fn: Callable) -> str:
     code = getattr(fn, "__code__", None)
-    start = next((i for i, fr in enumerate(tb) if code and fr.filename == code.co_filename and fr.name == code.co_name), 0)
-    frames = traceback.format_list(tb[start:][-limit:])
-    return "Traceback (most recent call last):\n" + "".join(frames) + "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
+    return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
 
 
-def _to_text(value: Any, name: str) -> ToolResult:
+_reported: set[tuple[str, str]] = set()  # (tool, problem) pairs already logged with their traceback: once each
+
+
+def _report_once(name: str, problem: str, message: str, *args: Any, exc: BaseException | None = None) -> None:
+    """The developer's side of a tool failure: the full traceback / fix in the log, once per tool and problem
+    (the model's side is the short error result)."""
+    if (name, problem) in _reported:
+        return
+    _reported.add((name, problem))
+    log.warning(message, *args, exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
+
+
+def _exception_line(exc: BaseException, fn: Callable) -> str:
+    """``Type: message`` -- what the model sees of a tool's exception: no frames, and the host's directories (the
+    tool's, the working directory, home, the Python prefix) cut from the message, so no host paths."""
+    line = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    code = getattr(fn, "__code__", None)
+    dirs = {os.path.dirname(code.co_filename) if code else "", os.getcwd(), os.path.expanduser("~"), sys.prefix,
+            sys.base_prefix}
+    for d in sorted((d for d in dirs if len(d) > 1), key=len, reverse=True):  # longest first: nested dirs
+        line = line.replace(d.rstrip(os.sep) + os.sep, "")
+    return line
+
+
+def _to_text(value: Any, name: str, fn: Callable | None = None) -> ToolResult:
     if isinstance(value, ToolOutput):
         return ToolResult(name, value.content, error=value.error or value.timeout, timeout=value.timeout)
     if isinstance(value, str):
@@ -366,12 +393,13 @@ def _to_text(value: Any, name: str) -> ToolResult:
     try:
         return ToolResult(name, json.dumps(value, ensure_ascii=False))
     except (TypeError, ValueError):
-        return ToolResult(
-            name,
-            f"Error: tool {name!r} returned a {type(value).__name__}, which is not text; tools must return str or a "
-            "JSON-serialisable value (this is a bug in the tool, not in the call)",
-            error=True,
-        )
+        kind = type(value).__name__
+        fix = "decode it (value.decode())" if isinstance(value, (bytes, bytearray)) else "convert it to str"
+        _report_once(name, f"returned {kind}", "tool %r (%s) returned a %s, which is not text: a tool must return str "
+                     "or a JSON-serialisable value; %s. The model was shown a tool error.", name,
+                     _where(fn) if fn else "?", kind, fix)
+        return ToolResult(name, f"Error: tool {name!r} returned a {kind}, which is not text; tools must return str or "
+                          "a JSON-serialisable value (this is a bug in the tool, not in the call)", error=True)
 
 
 def _as_declared(value: Any, schema: dict) -> Any:
@@ -401,6 +429,9 @@ def execute(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:
     except TimeoutError as e:
         return ToolResult(call.name, f"Error: tool {call.name!r} timed out" + (f": {e}" if str(e) else ""), error=True, timeout=True)
     except Exception as e:
-        return ToolResult(call.name, f"Error: tool {call.name!r} raised an exception.\n" + _traceback_summary(e, t.fn), error=True)
-    return _to_text(value, call.name)
+        _report_once(call.name, f"raised {type(e).__name__}", "tool %r (%s) raised %s (shown to the model as a tool "
+                     "error without the traceback; logged once per tool and exception type)", call.name, _where(t.fn),
+                     type(e).__name__, exc=e)
+        return ToolResult(call.name, f"Error: tool {call.name!r} raised {_exception_line(e, t.fn)}", error=True)
+    return _to_text(value, call.name, t.fn)
 

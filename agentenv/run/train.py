@@ -153,7 +153,7 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
         def on_update(m: dict) -> None:
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(success=f"{m.get('success_rate', 0):.2f}", tool=f"{m.get('tool_share', 0):.2f}")
+                bar.set_postfix(success=f"{m.get('success_rate', 0):.2f}", tool=f"{m.get('tool_call_rate', 0):.2f}")
             step = int(m["update"])
             if cfg.eval.every and step % cfg.eval.every == 0:
                 do_eval(current_weights_policy(), step)
