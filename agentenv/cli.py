@@ -99,6 +99,12 @@ def cmd_rollout(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     env_kwargs = {**getattr(policy, "env_kwargs", {}), **env_kwargs}  # e.g. the ALFWorld expert needs expert=True
+    from agentenv.run.startup import build_env
+
+    problem, _ = build_env(env_id, env_kwargs, shown="--env-arg " + " ".join(args.env_arg) if args.env_arg else "")
+    if problem:  # before --out is opened: a wrong --env-arg leaves no file behind
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     tasks = [EpisodeSpec(seed=args.seed + i) for i in range(args.episodes)]
     if args.split is not None:  # walk the split's tasks in order, k = ceil(episodes / tasks) samples each
         env = gym.make(env_id, **env_kwargs)
@@ -118,7 +124,7 @@ def cmd_rollout(args) -> int:
     episodes = EpisodeSet(GymEnvFactory(env_id, env_kwargs), tasks, cfg)
     t0 = time.perf_counter()
     with JsonlWriter(args.out) as writer:
-        trajs = episodes.play(policy, progress=True, on_trajectory=writer.write)
+        trajs = episodes.play(policy, progress=sys.stderr.isatty(), on_trajectory=writer.write)
     m = batch_metrics(trajs)
     errors = sum(t.finish_reason in ("env_error", "policy_error", "template_error") for t in trajs)
     print(f"episodes={len(trajs)} success={m['success_rate']:.3f} turns={m['turns_mean']:.2f} "
@@ -447,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from agentenv.run.console import quiet_progress_unless_tty
+
+    quiet_progress_unless_tty()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -456,6 +465,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from agentenv.run.console import user_error
+
+        line = user_error(e)
+        if line is None or args.verbose:  # a bug of ours (or -v): the whole traceback
+            raise
+        print(f"error: {line}  (-v shows the traceback)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

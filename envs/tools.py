@@ -268,7 +268,8 @@ class Tool:
             if p.kind is p.POSITIONAL_ONLY:
                 raise ToolDefinitionError(f"{where}: positional-only parameters cannot be passed by name from JSON")
             if p.name not in hints:
-                raise ToolDefinitionError(f"{where}: missing type annotation (the schema is built from type hints)")
+                raise ToolDefinitionError(f"{where}: missing type annotation; add a type hint, e.g. `{p.name}: str` (the "
+                                          "JSON schema the model sees is built from type hints)")
             _check_hint(hints[p.name], where)
             if p.default is not p.empty:
                 ok, default = _json_default(p.default)

@@ -13,7 +13,9 @@ plus ``colocated`` (the vLLM engine shares the learner's GPU: it sleeps during t
 
 :func:`problems(plan)` lists every reason the plan cannot start (model or data missing, vLLM not importable, fewer
 GPUs than planned, no NCCL for a GPU learner group): :func:`preflight` raises :class:`LaunchError` with all of them
-and their fixes -- a planned component that cannot start stops the run; there is no silent fallback.
+and their fixes -- a planned component that cannot start stops the run; there is no silent fallback. The plan's
+checks include what start-up builds short of the weights (:mod:`agentenv.run.startup`: the env with its kwargs and
+task file, the tokenizer and its chat template, the requested loggers), so ``--dry-run`` fails where a run would.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ def launch_plan(cfg: RunConfig) -> dict:
     except ValueError as e:
         env_id = cfg.env.id
         checks.append({"what": "env", "ok": False, "detail": str(e)})
+    from agentenv.run.startup import startup_checks  # builds the env, the tokenizer, the loggers' needs
+
+    checks += startup_checks(cfg, env_id, model_path, env_ok=all(c["ok"] for c in checks))
     if cfg.sft.enabled and cfg.sft.demos == "expert":  # played at the start of the run: the env needs an expert
         from agentenv.envs import EXPERTS
 
@@ -159,6 +164,8 @@ def problems(plan: dict) -> list[str]:
 
 def preflight(plan: dict) -> None:
     bad = problems(plan)
+    if len(bad) == 1:  # one problem, one line
+        raise LaunchError(f"cannot start: {bad[0]}")
     if bad:
         raise LaunchError("cannot start:\n" + "\n".join("  - " + p.replace("\n", "\n    ") for p in bad)
                           + "\n  (agentenv run ... --dry-run shows the whole plan)")

@@ -101,9 +101,9 @@ def resolve_model(name: str) -> ResolvedModel:
         )
     snap = _hf_cache_snapshot(hub_id)
     if snap is None:
+        local = f"/path/to/{hub_id.split('/')[-1]}"
         raise ModelNotAvailable(
-            f"model {name!r} ({hub_id}) is not available offline: agentenv does not download weights at run time.\n"
-            f"  On a machine with internet:  hf download {hub_id} --local-dir /path/to/{hub_id.split('/')[-1]}\n"
-            f"  then pass --model /path/to/{hub_id.split('/')[-1]}  (or copy the hub cache into $HF_HOME/hub)."
-        )
+            f"model {name!r} ({hub_id}) is not available offline (agentenv downloads nothing at run time): on a "
+            f"machine with internet run `hf download {hub_id} --local-dir {local}`, then pass --model {local} (or "
+            "copy the hub cache into $HF_HOME/hub)")
     return ResolvedModel(name=name, path=str(snap), hub_id=hub_id)
