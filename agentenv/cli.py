@@ -177,6 +177,8 @@ def _config_from_args(args, default_preset: str | None = None):
             env_id = spec.resolve(env)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if preset is None and spec.default_preset(env_id) in ("tool_env", "text_env"):
+            pre.append(f"run.name={env_id.replace('/', '_')}")  # a run of a user's env is named after it
         preset = preset or spec.default_preset(env_id)
         pre.append(f"env.id={env}")
     if preset is None:

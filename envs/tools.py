@@ -49,11 +49,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import logging
-import os
 import re
-import sys
-import traceback
 import types
 import typing
 from dataclasses import dataclass, field
@@ -62,7 +58,7 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin
 import jsonschema
 from transformers.utils import get_json_schema
 
-log = logging.getLogger("agentenv.envs.tools")
+from agentenv.envs.tool_errors import exception_line, report_once, where_defined
 
 __all__ = [
     "Tool", "ToolCall", "ToolOutput", "ToolResult", "ToolDefinitionError",
@@ -357,35 +353,6 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
 
 # --- running --------------------------------------------------------------------------------------------------------
 
-def _where(fn: Callable) -> str:
-    code = getattr(fn, "__code__", None)
-    return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
-
-
-_reported: set[tuple[str, str]] = set()  # (tool, problem) pairs already logged with their traceback: once each
-
-
-def _report_once(name: str, problem: str, message: str, *args: Any, exc: BaseException | None = None) -> None:
-    """The developer's side of a tool failure: the full traceback / fix in the log, once per tool and problem
-    (the model's side is the short error result)."""
-    if (name, problem) in _reported:
-        return
-    _reported.add((name, problem))
-    log.warning(message, *args, exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
-
-
-def _exception_line(exc: BaseException, fn: Callable) -> str:
-    """``Type: message`` -- what the model sees of a tool's exception: no frames, and the host's directories (the
-    tool's, the working directory, home, the Python prefix) cut from the message, so no host paths."""
-    line = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    code = getattr(fn, "__code__", None)
-    dirs = {os.path.dirname(code.co_filename) if code else "", os.getcwd(), os.path.expanduser("~"), sys.prefix,
-            sys.base_prefix}
-    for d in sorted((d for d in dirs if len(d) > 1), key=len, reverse=True):  # longest first: nested dirs
-        line = line.replace(d.rstrip(os.sep) + os.sep, "")
-    return line
-
-
 def _to_text(value: Any, name: str, fn: Callable | None = None) -> ToolResult:
     if isinstance(value, ToolOutput):
         return ToolResult(name, value.content, error=value.error or value.timeout, timeout=value.timeout)
@@ -396,9 +363,9 @@ def _to_text(value: Any, name: str, fn: Callable | None = None) -> ToolResult:
     except (TypeError, ValueError):
         kind = type(value).__name__
         fix = "decode it (value.decode())" if isinstance(value, (bytes, bytearray)) else "convert it to str"
-        _report_once(name, f"returned {kind}", "tool %r (%s) returned a %s, which is not text: a tool must return str "
+        report_once(name, f"returned {kind}", "tool %r (%s) returned a %s, which is not text: a tool must return str "
                      "or a JSON-serialisable value; %s. The model was shown a tool error.", name,
-                     _where(fn) if fn else "?", kind, fix)
+                     where_defined(fn) if fn else "?", kind, fix)
         return ToolResult(name, f"Error: tool {name!r} returned a {kind}, which is not text; tools must return str or "
                           "a JSON-serialisable value (this is a bug in the tool, not in the call)", error=True)
 
@@ -430,9 +397,9 @@ def execute(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:
     except TimeoutError as e:
         return ToolResult(call.name, f"Error: tool {call.name!r} timed out" + (f": {e}" if str(e) else ""), error=True, timeout=True)
     except Exception as e:
-        _report_once(call.name, f"raised {type(e).__name__}", "tool %r (%s) raised %s (shown to the model as a tool "
-                     "error without the traceback; logged once per tool and exception type)", call.name, _where(t.fn),
+        report_once(call.name, f"raised {type(e).__name__}", "tool %r (%s) raised %s (shown to the model as a tool "
+                     "error without the traceback; logged once per tool and exception type)", call.name, where_defined(t.fn),
                      type(e).__name__, exc=e)
-        return ToolResult(call.name, f"Error: tool {call.name!r} raised {_exception_line(e, t.fn)}", error=True)
+        return ToolResult(call.name, f"Error: tool {call.name!r} raised {exception_line(e, t.fn)}", error=True)
     return _to_text(value, call.name, t.fn)
 

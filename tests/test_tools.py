@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from agentenv.envs.grading import extract_answer, extract_boxed, grade_answer
 from agentenv.envs.tool_env import ToolEnv
-from agentenv.envs import tools as tools_module
+from agentenv.envs import tool_errors as tools_module
 from agentenv.envs.tools import Tool, ToolCall, ToolDefinitionError, ToolOutput, execute, parse_tool_calls, tool
 
 

@@ -86,7 +86,7 @@ RUN = ["run", "--env", "qa_env:QA-v0", "--model", "tiny-bpe:64x2", "--run-dir", 
 CASES = {
     # name: (argv, what the one line must say)
     "model dir without a tokenizer": (["run", "--env", "qa_env:QA-v0", "--model", "no_tokenizer", "--run-dir", "out"],
-                                      ["no_tokenizer has no loadable tokenizer", "save_pretrained"]),
+                                      ["no_tokenizer holds weights but no tokenizer", "save_pretrained"]),
     "task row without an answer": (RUN + ["--set", "env.kwargs.tasks=no_answer.jsonl"],
                                    ["no_answer.jsonl:2", "missing ['answer']"]),
     "wrong --env-arg": (["rollout", "--env", "qa_env:QA-v0", "--model", "tiny-bpe:64x2", "--env-arg",

@@ -100,8 +100,15 @@ def _kwarg_hint(env_id: str, e: TypeError) -> str:
 
 
 def _tokenizer_check(model_path: str) -> dict:
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+    if Path(model_path).is_dir() and not any((Path(model_path) / f).exists() for f in files):
+        return {"what": "tokenizer", "ok": False, "detail": f"{model_path} holds weights but no tokenizer (none of "
+                f"{', '.join(files)}); save the base model's next to them: "
+                "AutoTokenizer.from_pretrained(BASE_MODEL).save_pretrained(MODEL_DIR)"}
     try:
         tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError or TypeError for a missing/partial tokenizer

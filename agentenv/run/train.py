@@ -209,7 +209,7 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
     if cfg.run.plot and logger.history and not trainer.interrupted:
         from agentenv.run.plot import plot_runs
 
-        png = plot_runs([run_dir], title=f"{cfg.preset} {' '.join(cfg.variants)} ({cfg.model.name})")
+        png = plot_runs([run_dir], title=f"{cfg.run.name} {' '.join(cfg.variants)} ({cfg.model.name})")
         echo(f"plot: {png}")
     echo(f"done: {trainer.step} updates in {summary['wall_s']:.0f}s -> {run_dir}")
     return RunResult(run_dir, {**summary, "components": components}, logger.history, evals)
