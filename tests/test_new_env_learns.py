@@ -50,9 +50,13 @@ def test_readme_walk_warm_starts_and_trains_a_new_env_until_it_calls_its_tool(tm
     lines = [x for x in BASH.splitlines() if x.strip() and not x.startswith("#")]
     assert [shlex.split(x)[:2] for x in lines] == [["python", "solver.py"], ["agentenv", "sft"], ["agentenv", "run"]]
     for line in lines:
-        out = open(tmp_path / line.split(" > ")[1], "w") if " > " in line else subprocess.PIPE
-        r = subprocess.run(_argv(line), cwd=tmp_path, env=env, stdout=out, stderr=subprocess.PIPE, text=True,
-                           timeout=900)
+        out = (tmp_path / line.split(" > ")[1]).open("w") if " > " in line else subprocess.PIPE
+        try:
+            r = subprocess.run(_argv(line), cwd=tmp_path, env=env, stdout=out, stderr=subprocess.PIPE, text=True,
+                               timeout=900)
+        finally:
+            if out is not subprocess.PIPE:
+                out.close()
         assert r.returncode == 0, (line, r.stderr[-3000:])
     run = tmp_path / "runs" / "vault"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
