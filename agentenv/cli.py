@@ -66,6 +66,8 @@ def _config_from_args(args, default_preset: str | None = None):
             env_id = spec.resolve(env)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if preset is None and spec.default_preset(env_id) in ("tool_env", "text_env"):
+            pre.append(f"run.name={env_id.replace('/', '_')}")  # a run of a user's env is named after it
         preset = preset or spec.default_preset(env_id)
         pre.append(f"env.id={env}")
     if preset is None:
@@ -335,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from agentenv.run.console import quiet_progress_unless_tty
+
+    quiet_progress_unless_tty()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -344,6 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from agentenv.run.console import user_error
+
+        line = user_error(e)
+        if line is None or args.verbose:  # a bug of ours (or -v): the whole traceback
+            raise
+        print(f"error: {line}  (-v shows the traceback)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

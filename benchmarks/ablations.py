@@ -77,7 +77,7 @@ def outcome(res, lag: int) -> dict:
         vals = [float(r[key]) for r in recs if isinstance(r.get(key), (int, float))]
         return sum(vals) / len(vals) if vals else None  # a metric a variant does not have (GRPO: no gate)
 
-    return {"heldout": {k: ev.get(k) for k in ("success_rate", "tool_share", "policy_tokens_mean", "episodes",
+    return {"heldout": {k: ev.get(k) for k in ("success_rate", "tool_call_rate", "policy_tokens_mean", "episodes",
                                                "successes", "success_multiply", "success_multiply_easy")},
             "train": {"updates": len(res.history), "lag_mean": mean("lag_mean", steady),
                       "lag_max": max((r.get("lag_max", 0) for r in res.history), default=None),
@@ -132,7 +132,7 @@ def evaluate_warm_start(args, root: Path, model_dir: str) -> None:
     sets = run_overrides(args, "flashreinforce", 0, model_dir, root / "runs" / "warm_start_eval")
     res = run(load_config("demo", [], sets), eval_only=True, progress=False, echo=lambda *_: None)
     ev = res.evals[-1]
-    path.write_text(json.dumps({k: ev.get(k) for k in ("success_rate", "tool_share", "policy_tokens_mean",
+    path.write_text(json.dumps({k: ev.get(k) for k in ("success_rate", "tool_call_rate", "policy_tokens_mean",
                                                        "episodes", "successes")}, indent=2))
 
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 bad.append(f"{variant}-seed{seed}")
             print(f"  {variant}-seed{seed}: held-out success {r['heldout']['success_rate']:.3f}, tool "
-                  f"{r['heldout']['tool_share']:.3f}, {r['wall_s']:.0f}s{'' if ok else ' (INCOMPLETE)'}", flush=True)
+                  f"{r['heldout']['tool_call_rate']:.3f}, {r['wall_s']:.0f}s{'' if ok else ' (INCOMPLETE)'}", flush=True)
     text = report.write(root, out, settings=vars(args) | {"variants": list(VARIANTS)}, command=command,
                         smoke=args.smoke)
     print(text)

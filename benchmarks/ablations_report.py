@@ -46,7 +46,7 @@ class Comparison:
 COMPARISONS: dict[str, Comparison] = {
     "length": Comparison("token_mean", "flashreinforce", "length_drift", +1, None,
                          "the token mean lets the answer length drift from the warm start's; the sample mean keeps it"),
-    "grpo_tool_calls": Comparison("grpo", "flashreinforce", "tool_share", -1, PAPER_GAP,
+    "grpo_tool_calls": Comparison("grpo", "flashreinforce", "tool_call_rate", -1, PAPER_GAP,
                                   "GRPO's tool-call rate falls where FlashREINFORCE's holds"),
     "trust_gate_under_lag": Comparison("no_trust_lag", "flashreinforce_lag", "success_rate", -1, PAPER_GAP,
                                        "under lag, turning the sequence trust gate off lowers success"),
@@ -57,7 +57,7 @@ COMPARISONS: dict[str, Comparison] = {
     "failure_filter_q0.2": Comparison("q0.2", "flashreinforce", "success_rate", 0, None,
                                       "a harsher filter, q = 0.2 (exploratory: no stated direction)"),
 }
-COLUMNS = (("success_rate", "held-out success", 3), ("tool_share", "tool-call rate", 3),
+COLUMNS = (("success_rate", "held-out success", 3), ("tool_call_rate", "tool-call rate", 3),
            ("policy_tokens_mean", "length (tokens)", 1), ("success_multiply", "hard", 3),
            ("success_multiply_easy", "easy", 3), ("lag_mean", "lag", 1), ("acceptance_rate", "acceptance", 2),
            ("seq_kl_mean", "seq KL", 5))
@@ -75,6 +75,7 @@ def load(root: Path) -> tuple[dict[str, list[dict]], dict]:
 def outcome_values(r: dict, warm: dict) -> dict[str, float]:
     """One run's numbers, flat: held-out outcomes, training measurements, and the length drift from the warm start."""
     vals = {k: v for k, v in {**r["heldout"], **r["train"]}.items() if isinstance(v, (int, float))}
+    vals.setdefault("tool_call_rate", vals.get("tool_share"))  # results written before the rename
     if "policy_tokens_mean" in vals and warm.get("policy_tokens_mean") is not None:
         vals["length_drift"] = abs(vals["policy_tokens_mean"] - warm["policy_tokens_mean"])
     return vals
@@ -126,7 +127,7 @@ def variant_table(results: dict[str, list[dict]], warm: dict, order: list[str]) 
     lines = [head, "|" + " --- |" * (len(COLUMNS) + 3)]
     if warm:
         lines.append(f"| warm start (SFT) | 1 | {warm.get('success_rate', math.nan):.3f} | "
-                     f"{warm.get('tool_share', math.nan):.3f} | {warm.get('policy_tokens_mean', math.nan):.1f} |"
+                     f"{warm.get('tool_call_rate', warm.get('tool_share', math.nan)):.3f} | {warm.get('policy_tokens_mean', math.nan):.1f} |"
                      + " |" * (len(COLUMNS) - 2))
     for v in order:
         runs = results.get(v, [])

@@ -22,6 +22,7 @@ which imports ``module`` (from the current directory too, as ``python -m`` would
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -62,12 +63,27 @@ def resolve(name: str) -> str:
             importlib.import_module(module)
         except ImportError as e:
             raise ValueError(f"cannot import {module!r} for env {name!r}: {e}") from None
+        except Exception as e:  # the user's module failed while importing (e.g. a tool without a type hint)
+            raise ValueError(f"{_user_frame(e, module)}: {type(e).__name__}: {e} (while importing {module!r} for "
+                             f"env {name!r})") from e
     if env_id not in gym.registry:
         known = ", ".join(sorted(ENV_ALIASES)) + "; ids: " + ", ".join(
             sorted(k for k in gym.registry if k.startswith("agentenv/")))
         raise ValueError(f"unknown environment {name!r}. Known: {known}; or MODULE:ENV_ID for an env your module "
                          "registers with gymnasium.register")
     return env_id
+
+
+def _user_frame(e: BaseException, module: str) -> str:
+    """``FILE:LINE`` of the deepest traceback frame in the user's module (where to fix it), else the module name."""
+    import traceback
+
+    spec_ = importlib.util.find_spec(module) if module not in sys.modules else sys.modules[module].__spec__
+    origin = getattr(spec_, "origin", None)
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if origin and f.filename == origin]
+    if not frames:
+        return module
+    return f"{os.path.relpath(frames[-1].filename)}:{frames[-1].lineno}"
 
 
 def env_class(env_id: str) -> type:

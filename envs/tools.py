@@ -27,8 +27,10 @@ Contract:
   JSON object becomes a :class:`ToolCall` with ``error`` set; it is never dropped and never raises.
 * :func:`execute` runs one call against a ``{name: Tool}`` table and ALWAYS returns a :class:`ToolResult`: malformed
   calls, unknown tools, missing / unexpected / wrongly-typed arguments, exceptions raised by the tool (reported as
-  a short traceback of the tool's own frames) and unusable return values all become ``error=True`` results whose
-  ``content`` tells the policy what went wrong.
+  ``Type: message`` only -- no frames, so no host paths reach the model) and unusable return values all become
+  ``error=True`` results whose ``content`` tells the policy what went wrong. The developer's side goes to the log
+  (logger ``agentenv.envs.tools``), once per tool and problem: the full traceback of an exception, or the function's
+  file and line and the fix for a bad return value.
 * Return values: a ``str`` is the tool message as is; any other JSON-serialisable value (numbers, bools, None,
   lists, dicts) is sent as its JSON text; anything else (bytes, arbitrary objects) is a tool error naming the type,
   because silently ``str()``-ing it would show the model a repr it cannot use. A tool that needs to report its own
@@ -48,7 +50,6 @@ import functools
 import inspect
 import json
 import re
-import traceback
 import types
 import typing
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin
 
 import jsonschema
 from transformers.utils import get_json_schema
+
+from agentenv.envs.tool_errors import exception_line, report_once, where_defined
 
 __all__ = [
     "Tool", "ToolCall", "ToolOutput", "ToolResult", "ToolDefinitionError",
@@ -261,7 +264,8 @@ class Tool:
             if p.kind is p.POSITIONAL_ONLY:
                 raise ToolDefinitionError(f"{where}: positional-only parameters cannot be passed by name from JSON")
             if p.name not in hints:
-                raise ToolDefinitionError(f"{where}: missing type annotation (the schema is built from type hints)")
+                raise ToolDefinitionError(f"{where}: missing type annotation; add a type hint, e.g. `{p.name}: str` (the "
+                                          "JSON schema the model sees is built from type hints)")
             _check_hint(hints[p.name], where)
             if p.default is not p.empty:
                 ok, default = _json_default(p.default)
@@ -349,16 +353,7 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
 
 # --- running --------------------------------------------------------------------------------------------------------
 
-def _traceback_summary(exc: BaseException, fn: Callable, limit: int = 3) -> str:
-    """The last frames from the tool's own code onwards, then the exception line."""
-    tb = traceback.extract_tb(exc.__traceback__)
-    code = getattr(fn, "__code__", None)
-    start = next((i for i, fr in enumerate(tb) if code and fr.filename == code.co_filename and fr.name == code.co_name), 0)
-    frames = traceback.format_list(tb[start:][-limit:])
-    return "Traceback (most recent call last):\n" + "".join(frames) + "".join(traceback.format_exception_only(type(exc), exc)).rstrip()
-
-
-def _to_text(value: Any, name: str) -> ToolResult:
+def _to_text(value: Any, name: str, fn: Callable | None = None) -> ToolResult:
     if isinstance(value, ToolOutput):
         return ToolResult(name, value.content, error=value.error or value.timeout, timeout=value.timeout)
     if isinstance(value, str):
@@ -366,12 +361,13 @@ def _to_text(value: Any, name: str) -> ToolResult:
     try:
         return ToolResult(name, json.dumps(value, ensure_ascii=False))
     except (TypeError, ValueError):
-        return ToolResult(
-            name,
-            f"Error: tool {name!r} returned a {type(value).__name__}, which is not text; tools must return str or a "
-            "JSON-serialisable value (this is a bug in the tool, not in the call)",
-            error=True,
-        )
+        kind = type(value).__name__
+        fix = "decode it (value.decode())" if isinstance(value, (bytes, bytearray)) else "convert it to str"
+        report_once(name, f"returned {kind}", "tool %r (%s) returned a %s, which is not text: a tool must return str "
+                     "or a JSON-serialisable value; %s. The model was shown a tool error.", name,
+                     where_defined(fn) if fn else "?", kind, fix)
+        return ToolResult(name, f"Error: tool {name!r} returned a {kind}, which is not text; tools must return str or "
+                          "a JSON-serialisable value (this is a bug in the tool, not in the call)", error=True)
 
 
 def _as_declared(value: Any, schema: dict) -> Any:
@@ -401,6 +397,9 @@ def execute(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:
     except TimeoutError as e:
         return ToolResult(call.name, f"Error: tool {call.name!r} timed out" + (f": {e}" if str(e) else ""), error=True, timeout=True)
     except Exception as e:
-        return ToolResult(call.name, f"Error: tool {call.name!r} raised an exception.\n" + _traceback_summary(e, t.fn), error=True)
-    return _to_text(value, call.name)
+        report_once(call.name, f"raised {type(e).__name__}", "tool %r (%s) raised %s (shown to the model as a tool "
+                     "error without the traceback; logged once per tool and exception type)", call.name, where_defined(t.fn),
+                     type(e).__name__, exc=e)
+        return ToolResult(call.name, f"Error: tool {call.name!r} raised {exception_line(e, t.fn)}", error=True)
+    return _to_text(value, call.name, t.fn)
 

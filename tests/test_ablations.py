@@ -69,7 +69,7 @@ def test_ablations_resume_skip_finished_runs_and_run_in_parts(ablation_root, cap
 
 
 def _result(variant: str, seed: int, success: float, tool: float, length: float) -> dict:
-    return {"variant": variant, "seed": seed, "wall_s": 1.0, "heldout": {"success_rate": success, "tool_share": tool,
+    return {"variant": variant, "seed": seed, "wall_s": 1.0, "heldout": {"success_rate": success, "tool_call_rate": tool,
             "policy_tokens_mean": length}, "train": {"updates": 30, "lag_mean": 8.0, "accounting_balance": 0}}
 
 
@@ -81,7 +81,7 @@ def test_ablation_verdicts_come_from_the_tests(tmp_path):
 
     rng = random.Random(0)
     (tmp_path / "results").mkdir()
-    (tmp_path / "warm_start.json").write_text(json.dumps({"success_rate": 0.3, "tool_share": 0.3,
+    (tmp_path / "warm_start.json").write_text(json.dumps({"success_rate": 0.3, "tool_call_rate": 0.3,
                                                           "policy_tokens_mean": 20.0}))
     planted = {"flashreinforce": (0.5, 0.6, 20), "grpo": (0.5, 0.2, 20), "token_mean": (0.5, 0.6, 20),
                "flashreinforce_lag": (0.4, 0.6, 20), "no_is_lag": (0.6, 0.6, 20), "no_trust_lag": (0.4, 0.6, 20)}

@@ -36,7 +36,7 @@ def test_dry_run_prints_paper_setting_and_flags_missing_weights(capsys, tmp_path
     assert rc == 1  # a check failed, but everything was printed
     for s in ("name: qwen2.5-7b", "max_turns: 50", "batch_size: 64", "delta: 0.001", "negative_token_fraction: 0.9",
               "max_total_tokens: 16384", "max_generated_tokens: 8192", "every: 40", "samples: 3",
-              "# launch plan", "sampler  vllm: 4 engine(s)", "learner  fsdp2 x4", "NOT AVAILABLE", "huggingface-cli download Qwen/Qwen2.5-7B-Instruct"):
+              "# launch plan", "sampler  vllm: 4 engine(s)", "learner  fsdp2 x4", "NOT AVAILABLE", "hf download Qwen/Qwen2.5-7B-Instruct"):
         assert s in out, s
 
 

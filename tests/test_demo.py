@@ -22,7 +22,7 @@ def test_demo_two_updates(tmp_path):
 
     recs = read_metrics(tmp_path)  # the update rows (the shutdown summary is an event row)
     assert [r["update"] for r in recs] == [1, 2]
-    for key in ("success_rate", "tool_share", "acceptance_rate", "seq_kl_mean", "lag_mean", "grad_norm", "lr",
+    for key in ("success_rate", "tool_call_rate", "acceptance_rate", "seq_kl_mean", "lag_mean", "grad_norm", "lr",
                 "policy_tokens_mean", "traj_per_s", "tokens_per_s", "started", "trained", "accounting_balance"):
         assert key in recs[-1], key
     assert recs[-1]["accounting_balance"] == 0
@@ -59,7 +59,7 @@ def test_the_demo_check_passes_a_run_that_learned_and_names_what_failed():
         from check_demo import verdict
     finally:
         sys.path.pop(0)
-    ev = lambda s, t: {"heldout": {"success_rate": s, "tool_share": t}}  # noqa: E731
+    ev = lambda s, t: {"heldout": {"success_rate": s, "tool_call_rate": t}}  # noqa: E731
     floors = dict(split="heldout", min_success=0.45, min_tool_rate=0.55, min_gain=0.25)
     assert verdict({"before": ev(0.1, 0.2), "after": ev(0.8, 0.9)}, **floors) == []
     regressed = verdict({"before": ev(0.0, 0.05), "after": ev(0.0, 0.05)}, **floors)

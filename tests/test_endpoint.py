@@ -128,7 +128,7 @@ def test_eval_endpoint_plays_the_env_and_reports_tool_use(user_dir, capsys, mode
         assert run_eval(srv.url, "--episodes", "4", "--concurrency", "2") == 0
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("[eval endpoint="))
-    for want in ("episodes=4", "success_rate=1.000", "tool_share=1.000", "tool_calls/lookup=2.000",
+    for want in ("episodes=4", "success_rate=1.000", "tool_call_rate=1.000", "tool_calls/lookup=2.000",
                  "turns_mean=2.000", "errors=0"):
         assert want in line, line
     rows = [json.loads(x) for x in (user_dir / "ev" / "eval.jsonl").read_text().splitlines()]

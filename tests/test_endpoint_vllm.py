@@ -97,7 +97,7 @@ def test_eval_endpoint_against_vllm(server, user_dir, capsys):
     print(out)
     assert rc == 0
     line = next(x for x in out.splitlines() if x.startswith("[eval endpoint="))
-    assert "episodes=6" in line and "errors=0" in line and "tool_share=" in line
+    assert "episodes=6" in line and "errors=0" in line and "tool_call_rate=" in line
     rows = [json.loads(x) for x in (user_dir / "ev" / "eval.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and all(r["sampling"]["backend"] == "endpoint" and r["error"] is None for r in rows)
     assert all(r["messages"][2]["role"] == "assistant" and r["finish_reason"] in ("done", "max_new_tokens", "max_turns")

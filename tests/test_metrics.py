@@ -19,7 +19,7 @@ def test_batch_metrics_values():
     m = batch_metrics([traj(2, 1, 1, True, "a"), traj(0, 0, 0, False, "b", truncated=True), traj(1, 0, 0, True, "a"),
                        traj()])
     assert m["success_rate"] == 0.5 and m["reward_mean"] == 0.5
-    assert m["tool_calls_mean"] == 0.75 and m["tool_share"] == 0.5
+    assert m["tool_calls_mean"] == 0.75 and m["tool_call_rate"] == 0.5
     assert m["tool_error_rate"] == 1 / 3 and m["tool_timeout_rate"] == 1 / 3
     assert m["truncation_rate"] == 0.25 and m["policy_tokens_mean"] == 3
     assert m["success_a"] == 2 / 3 and m["success_b"] == 0.0
@@ -32,7 +32,7 @@ def test_update_record_is_built_once_with_plain_names_and_one_lag():
     rec = update_record(update=4, policy_version=4, mode="async", batch=batch, lags=[(1.0, 2), (0.0, 0)],
                         learner_stats=learner, counters={"started": 2, "accounting_balance": 0},
                         timings={"time_learner_s": 1.5})
-    assert rec["update"] == 4 and rec["batch_size"] == 2 and rec["tool_share"] == 0.5
+    assert rec["update"] == 4 and rec["batch_size"] == 2 and rec["tool_call_rate"] == 0.5
     assert rec["reward_mean"] == 0.5  # the batch's, not a second copy from the learner
     assert rec["lag_mean"] == 0.5 and rec["lag_max"] == 2 and "policy_lag_mean" not in rec
     assert rec["loss"] == -0.5 and rec["grad_norm"] == 0.2 and rec["acceptance_rate"] == 0.5
@@ -50,7 +50,7 @@ def test_tool_metrics_count_well_formed_calls_and_per_tool():
     c = traj(calls=5)
     c.tool_calls_by_name = {"python": 5}
     m = batch_metrics([a, b, c])
-    assert m["tool_calls_mean"] == 8 / 3 and m["tool_share"] == 2 / 3 and m["tool_malformed_mean"] == 14 / 3
+    assert m["tool_calls_mean"] == 8 / 3 and m["tool_call_rate"] == 2 / 3 and m["tool_malformed_mean"] == 14 / 3
     assert m["tool_error_rate"] == 1 / 8
     assert (m["tool_calls/python"], m["tool_calls/search"], m["tool_errors/python"]) == (7 / 3, 1 / 3, 1 / 3)
     assert "tool_errors/search" not in m and m["template_error_rate"] == 0.0
@@ -62,7 +62,7 @@ def test_logger_jsonl_tensorboard_line_and_collapse_alarm(tmp_path, caplog):
     shares = [0.2, 0.6, 0.8, 0.8, 0.7, 0.1, 0.05, 0.0, 0.0]
     with caplog.at_level(logging.WARNING, logger="agentenv.core.metrics"):
         for i, s in enumerate(shares, 1):
-            lg.log_update({"update": i, "elapsed_s": float(i), "tool_share": s,
+            lg.log_update({"update": i, "elapsed_s": float(i), "tool_call_rate": s,
                            "tokens": 100, "success_rate": 0.5, "acceptance_rate": 1.0})
     lg.log_eval(9, "valid", {"success_rate": 0.5})
     lg.close()
@@ -72,7 +72,7 @@ def test_logger_jsonl_tensorboard_line_and_collapse_alarm(tmp_path, caplog):
     alarms = [r["tool_collapse_alarm"] for r in recs]
     assert alarms[:6] == [0] * 6 and alarms[-1] == 1
     assert sum("TOOL-CALL COLLAPSE" in r.message for r in caplog.records) == 1  # warned once, not every update
-    assert lines[0].startswith("[update 1] ") and "tool_rate=0.200" in lines[0]
+    assert lines[0].startswith("[update 1] ") and "tool_call_rate=0.200" in lines[0]
     assert "ALARM=tool_collapse" in lines[-2]
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
     assert json.loads((tmp_path / "eval.jsonl").read_text())["split"] == "valid"
@@ -82,7 +82,7 @@ def test_plot_overlays_runs(tmp_path):
     for name, k in (("a", 1.0), ("b", 0.5)):
         lg = MetricsLogger(tmp_path / name, tensorboard=False, echo=None)
         for i in range(1, 8):
-            lg.log_update({"update": i, "elapsed_s": 1.0, "success_rate": k * i / 8, "tool_share": k,
+            lg.log_update({"update": i, "elapsed_s": 1.0, "success_rate": k * i / 8, "tool_call_rate": k,
                            "lag_mean": 1.0, "lag_max": 2, "acceptance_rate": 1.0, "policy_tokens_mean": 9})
         lg.close()
     out = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp.png")

@@ -52,7 +52,7 @@ def test_readme_training_command_trains_the_new_env(user_dir):
     rows = [json.loads(x) for x in (user_dir / "run" / "metrics.jsonl").read_text().splitlines()]
     updates = [x for x in rows if "update" in x and "event" not in x]
     assert [x["update"] for x in updates] == [1, 2]
-    assert all("tool_share" in x and 0.0 <= x["tool_share"] <= 1.0 for x in updates)
+    assert all("tool_call_rate" in x and 0.0 <= x["tool_call_rate"] <= 1.0 for x in updates)
     plan = json.loads((user_dir / "run" / "plan.json").read_text())
     summary = json.loads((user_dir / "run" / "summary.json").read_text())
     assert plan["env"] == "Shop-v0" and summary["components"] == plan["components"]  # the plan is what ran

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Literal, Optional, Union
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from agentenv.envs.grading import extract_answer, extract_boxed, grade_answer
 from agentenv.envs.tool_env import ToolEnv
+from agentenv.envs import tool_errors as tools_module
 from agentenv.envs.tools import Tool, ToolCall, ToolDefinitionError, ToolOutput, execute, parse_tool_calls, tool
 
 
@@ -176,13 +178,34 @@ def test_unknown_tool_lists_available_tools():
     assert r.error and "unknown tool 'pwr'" in r.content and "power" in r.content
 
 
-def test_tool_raising_gives_traceback_summary():
-    r = execute(ToolCall("power", {"base": 2, "exponent": -1, "modulus": 4}), {"power": power})
-    assert r.error and not r.timeout
-    assert "ValueError" in r.content and "in power" in r.content and "Traceback" in r.content
+def test_tool_raising_shows_the_model_type_and_message_and_the_log_the_traceback_once(caplog):
+    tools_module._reported.clear()  # logged once per process: start this test from none
+    with caplog.at_level("WARNING", logger="agentenv.envs.tools"):
+        r = execute(ToolCall("power", {"base": 2, "exponent": -1, "modulus": 4}), {"power": power})
+        again = execute(ToolCall("power", {"base": 6, "exponent": -1, "modulus": 4}), {"power": power})
+    assert r.error and not r.timeout and again.error
+    assert r.content.startswith("Error: tool 'power' raised ValueError: ")
+    here = os.path.dirname(os.path.abspath(__file__))
+    assert "Traceback" not in r.content and here not in r.content and "File " not in r.content
+    [rec] = [x for x in caplog.records if "raised ValueError" in x.getMessage()]  # once, with the frames
+    assert rec.exc_info is not None and "power" in rec.getMessage() and __file__.rstrip("c") in rec.getMessage()
 
 
-def test_return_value_policy():
+def test_tool_exception_message_loses_host_paths():
+    def read(name: str) -> str:
+        """Read a file next to the tool.
+
+        Args:
+            name: File name.
+        """
+        return open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)).read()
+
+    r = execute(ToolCall("read", {"name": "nope.txt"}), {"read": Tool.from_function(read)})
+    assert r.error and "FileNotFoundError" in r.content and "nope.txt" in r.content
+    assert os.path.dirname(os.path.abspath(__file__)) not in r.content
+
+
+def test_return_value_policy(caplog):
     class Opaque:
         pass
 
@@ -195,9 +218,14 @@ def test_return_value_policy():
     assert execute(ToolCall("f", {}), {"f": make("text")}).content == "text"
     assert execute(ToolCall("f", {}), {"f": make({"a": [1, 2.5, None]})}).content == '{"a": [1, 2.5, null]}'
     assert execute(ToolCall("f", {}), {"f": make(None)}).content == "null"
+    tools_module._reported.clear()
     for bad in (b"bytes", Opaque()):
-        r = execute(ToolCall("f", {}), {"f": make(bad)})
+        with caplog.at_level("WARNING", logger="agentenv.envs.tools"):
+            r = execute(ToolCall("f", {}), {"f": make(bad)})
         assert r.error and "not text" in r.content and type(bad).__name__ in r.content
+    # the developer is told where and how to fix it, once per tool and kind of value
+    logged = [x.getMessage() for x in caplog.records if "returned a" in x.getMessage()]
+    assert any("returned a bytes" in m and "decode" in m and "test_tools.py" in m for m in logged)
     r = execute(ToolCall("f", {}), {"f": make(ToolOutput("slow", timeout=True))})
     assert r.timeout and r.error and r.content == "slow"
 
@@ -277,7 +305,7 @@ def test_errors_are_observed_and_counted_in_one_tool_message():
         '<tool_call>{"name": "power", "arguments": {"base": 2, "exponent": 10}}</tool_call>'
         '<tool_call>{oops}</tool_call><tool_call>{"name": "nope", "arguments": {}}</tool_call>')
     # well-formed calls (power, nope) count as calls; the broken block is its own counter (behaviour changed on purpose:
-    # issue 12 -- malformed blocks used to count as calls and inflate tool_share)
+    # issue 12 -- malformed blocks used to count as calls and inflate the tool-call rate)
     assert (info["tool_calls"], info["tool_errors"], info["tool_malformed"], info["invalid_action"]) == (2, 1, 1, True)
     assert info["tool_calls_by_name"] == {"power": 1, "(unknown)": 1}
     assert info["tool_errors_by_name"] == {"(unknown)": 1}

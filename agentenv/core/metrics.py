@@ -36,7 +36,7 @@ METRIC_HELP: dict[str, str] = {
     "tool_calls_mean": "well-formed tool calls per trajectory (failed calls count; malformed blocks do not)",
     "tool_malformed_mean": "<tool_call> blocks per trajectory that could not be parsed as a call",
     "tool_calls/<name>": "calls of tool <name> per trajectory (tool_errors/<name>: its failed calls)",
-    "tool_share": "share of trajectories with at least one tool call -- the tool-call rate the collapse alarm watches",
+    "tool_call_rate": "the tool-call rate: share of trajectories with at least one well-formed tool call (the collapse alarm watches it)",
     "tool_error_rate": "failed tool calls / tool calls (malformed call, unknown tool, crash, timeout, limit hit)",
     "tool_timeout_rate": "timed-out tool calls / tool calls",
     "turns_mean": "assistant turns per trajectory",
@@ -68,7 +68,7 @@ def batch_metrics(trajs: Sequence[Trajectory]) -> dict:
         "reward_mean": sum(t.reward for t in trajs) / n,
         "success_rate": sum(bool(t.success) for t in trajs) / n,
         "tool_calls_mean": calls / n,
-        "tool_share": sum(t.num_tool_calls > 0 for t in trajs) / n,
+        "tool_call_rate": sum(t.num_tool_calls > 0 for t in trajs) / n,
         "tool_malformed_mean": sum(t.num_tool_malformed for t in trajs) / n,
         "tool_error_rate": sum(t.num_tool_errors for t in trajs) / calls if calls else 0.0,
         "tool_timeout_rate": sum(t.num_tool_timeouts for t in trajs) / calls if calls else 0.0,
@@ -169,7 +169,7 @@ class MetricsLogger:
         self._tokens_total += int(m.get("tokens", 0))
         if m.get("elapsed_s"):
             m["tokens_per_s"] = self._tokens_total / m["elapsed_s"]
-        m["tool_collapse_alarm"] = int(self._collapse_check(m.get("tool_share")))
+        m["tool_collapse_alarm"] = int(self._collapse_check(m.get("tool_call_rate")))
         m["no_learning_alarm"] = int(self.stall.observe(m) is not None)
         self.history.append(m)
         step = int(m.get("update", len(self.history)))
@@ -239,7 +239,7 @@ class MetricsLogger:
 
 
 # The log line: what a person scans while a run goes; everything else is in metrics.jsonl / TensorBoard.
-LINE_KEYS = (("reward_mean", "reward"), ("success_rate", "success"), ("tool_share", "tool_rate"),
+LINE_KEYS = (("reward_mean", "reward"), ("success_rate", "success"), ("tool_call_rate", "tool_call_rate"),
              ("policy_tokens_mean", "len"), ("acceptance_rate", "accept"), ("seq_kl_mean", "kl"),
              ("lag_mean", "lag"), ("grad_norm", "gnorm"), ("lr", "lr"), ("traj_per_s", "traj/s"),
              ("time_learner_s", "t_learn"), ("dropped", "dropped"))
@@ -275,5 +275,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
         rec = json.loads(line)
         if "event" in rec or "update" not in rec or rec.get("rolled_back"):
             continue
+        if "tool_share" in rec:  # the tool-call rate's name in runs written before it was named tool_call_rate
+            rec.setdefault("tool_call_rate", rec.pop("tool_share"))
         out.append(rec)
     return out

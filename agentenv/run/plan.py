@@ -13,7 +13,9 @@ plus ``colocated`` (the vLLM engine shares the learner's GPU: it sleeps during t
 
 :func:`problems(plan)` lists every reason the plan cannot start (model or data missing, vLLM not importable, fewer
 GPUs than planned, no NCCL for a GPU learner group): :func:`preflight` raises :class:`LaunchError` with all of them
-and their fixes -- a planned component that cannot start stops the run; there is no silent fallback.
+and their fixes -- a planned component that cannot start stops the run; there is no silent fallback. The plan's
+checks include what start-up builds short of the weights (:mod:`agentenv.run.startup`: the env with its kwargs and
+task file, the tokenizer and its chat template, the requested loggers), so ``--dry-run`` fails where a run would.
 """
 
 from __future__ import annotations
@@ -113,6 +115,10 @@ def launch_plan(cfg: RunConfig) -> LaunchPlan:
         notes.append(f"rollout.max_total_tokens={cfg.rollout.max_total_tokens} is more than the model's "
                      f"{model.max_positions} positions: the run uses {model.max_positions}")
     env_id, checks = _env_checks(cfg)
+    from agentenv.run.startup import startup_checks  # builds the env, the tokenizer, the loggers' needs
+
+    checks += [Check(c["what"], c["ok"], c["detail"])
+               for c in startup_checks(cfg, env_id, model.path, env_ok=all(c.ok for c in checks))]
     checks += _sft_checks(cfg, env_id) + _component_checks(cfg, device, ngpu)
     vllm = cfg.model.backend == "vllm"
     world = cfg.launch.learner_world_size
@@ -238,6 +244,8 @@ def problems(plan: LaunchPlan) -> list[str]:
 
 def preflight(plan: LaunchPlan) -> None:
     bad = problems(plan)
+    if len(bad) == 1:  # one problem, one line
+        raise LaunchError(f"cannot start: {bad[0]}")
     if bad:
         raise LaunchError("cannot start:\n" + "\n".join("  - " + p.replace("\n", "\n    ") for p in bad)
                           + "\n  (agentenv run ... --dry-run shows the whole plan)")

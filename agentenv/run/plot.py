@@ -17,7 +17,7 @@ from agentenv.core.metrics import read_metrics
 
 PANELS = (
     ("Reward / success", [("reward_mean", "reward", "-"), ("success_rate", "success", "--")], (None, None)),
-    ("Tool-call rate", [("tool_share", "share with >=1 call", "-"), ("tool_calls_mean", "calls / traj", "--")], (0, None)),
+    ("Tool-call rate", [("tool_call_rate", "share with >=1 call", "-"), ("tool_calls_mean", "calls / traj", "--")], (0, None)),
     ("Trust-gate acceptance", [("acceptance_rate", "accepted", "-")], (-0.02, 1.02)),
     ("Policy lag (versions)", [("lag_mean", "mean", "-"), ("lag_max", "max", "--")], (0, None)),
     ("Length", [("policy_tokens_mean", "policy tokens / traj", "-")], (0, None)),

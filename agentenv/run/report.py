@@ -147,8 +147,8 @@ def before_after_table(before: list[dict], after: list[dict], updates: int) -> l
         lines.append(f"  {b['split']} ({nb} episodes" + (f" of {paired} tasks)" if paired else ")"))
         lines.append(f"    {'success':20s}{b['success_rate']:8.2f} [{lb:.2f}, {ub:.2f}]    {a['success_rate']:10.2f} "
                      f"[{la:.2f}, {ua:.2f}]    {a['success_rate'] - b['success_rate']:+10.2f} [{ld:+.2f}, {ud:+.2f}]")
-        if b.get("tool_share") or a.get("tool_share"):
-            lines.append(f"    {'tool-call rate':20s}{b['tool_share']:8.2f}{'':15s}{a['tool_share']:10.2f}")
+        if b.get("tool_call_rate") or a.get("tool_call_rate"):
+            lines.append(f"    {'tool-call rate':20s}{b['tool_call_rate']:8.2f}{'':15s}{a['tool_call_rate']:10.2f}")
         types = sorted(k[len("success_"):] for k in b if k.startswith("success_") and k != "success_rate")
         for t in types:
             key, nbt, nat = f"success_{t}", b.get("episodes_by_type", {}).get(t), a.get("episodes_by_type", {}).get(t)
@@ -191,10 +191,10 @@ def run_demo(cfg, *, progress: bool = True, echo=print) -> int:
     h = res.history
     echo("")
     echo("curves over updates (batch values, 0..1):")
-    for key, label in (("success_rate", "success  "), ("tool_share", "tool rate"), ("acceptance_rate", "accepted ")):
+    for key, label in (("success_rate", "success"), ("tool_call_rate", "tool-call rate"), ("acceptance_rate", "accepted")):
         vals = [float(m.get(key, 0.0)) for m in h]
-        if vals and (key != "tool_share" or any(vals)):
-            echo(f"  {label} {ascii_curve(vals)}  {vals[0]:.2f} -> {sum(vals[-5:]) / len(vals[-5:]):.2f} (last 5)")
+        if vals and (key != "tool_call_rate" or any(vals)):
+            echo(f"  {label:14s} {ascii_curve(vals)}  {vals[0]:.2f} -> {sum(vals[-5:]) / len(vals[-5:]):.2f} (last 5)")
     table: list[str] = []
     if before and after:
         table = before_after_table(before, after, int(res.summary.get("updates", len(h))))

@@ -95,6 +95,12 @@ def cmd_rollout(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     env_kwargs = {**getattr(policy, "env_kwargs", {}), **env_kwargs}  # e.g. the ALFWorld expert needs expert=True
+    from agentenv.run.startup import build_env
+
+    problem, _ = build_env(env_id, env_kwargs, shown="--env-arg " + " ".join(args.env_arg) if args.env_arg else "")
+    if problem:  # before --out is opened: a wrong --env-arg leaves no file behind
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     tasks = [EpisodeSpec(seed=args.seed + i) for i in range(args.episodes)]
     if args.split is not None:  # walk the split's tasks in order, k = ceil(episodes / tasks) samples each
         env = gym.make(env_id, **env_kwargs)
@@ -114,11 +120,11 @@ def cmd_rollout(args) -> int:
     episodes = EpisodeSet(GymEnvFactory(env_id, env_kwargs), tasks, cfg)
     t0 = time.perf_counter()
     with JsonlWriter(args.out) as writer:
-        trajs = episodes.play(policy, progress=True, on_trajectory=writer.write)
+        trajs = episodes.play(policy, progress=sys.stderr.isatty(), on_trajectory=writer.write)
     m = batch_metrics(trajs)
     errors = sum(t.finish_reason in ("env_error", "policy_error", "template_error") for t in trajs)
     print(f"episodes={len(trajs)} success={m['success_rate']:.3f} turns={m['turns_mean']:.2f} "
-          f"tool_rate={m['tool_share']:.2f} tool_calls={m['tool_calls_mean']:.2f} "
+          f"tool_call_rate={m['tool_call_rate']:.2f} tool_calls={m['tool_calls_mean']:.2f} "
           f"tool_malformed={m['tool_malformed_mean']:.2f} tokens={m['tokens']} truncation={m['truncation_rate']:.3f} "
           f"errors={errors} wall={time.perf_counter() - t0:.1f}s -> {args.out}")
     return 0

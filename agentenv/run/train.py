@@ -163,7 +163,7 @@ class Run:
         cfg = self.cfg
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(success=f"{m.get('success_rate', 0):.2f}", tool=f"{m.get('tool_share', 0):.2f}")
+            self.bar.set_postfix(success=f"{m.get('success_rate', 0):.2f}", tool=f"{m.get('tool_call_rate', 0):.2f}")
         step = int(m["update"])
         if cfg.eval.every and step % cfg.eval.every == 0:
             self.evaluate(self.current_weights_policy(), step)
@@ -245,7 +245,7 @@ class Run:
         if cfg.run.plot and logger.history and not trainer.interrupted:
             from agentenv.run.plot import plot_runs
 
-            png = plot_runs([run_dir], title=f"{cfg.preset} {' '.join(cfg.variants)} ({cfg.model.name})")
+            png = plot_runs([run_dir], title=f"{cfg.run.name} {' '.join(cfg.variants)} ({cfg.model.name})")
             self.echo(f"plot: {png}")
         self.echo(f"done: {trainer.step} updates in {summary['wall_s']:.0f}s -> {run_dir}")
         return RunResult(run_dir, {**summary, "components": components}, logger.history, self.evals)

@@ -6,7 +6,8 @@
   materialised offline to a directory; ``"tiny-bpe"`` / ``"tiny-bpe:<hidden>x<layers>"``: the same network over the
   small project-trained BPE (fast on a CPU; see :mod:`agentenv.samplers.tiny`); ``"tiny-bpe-alfworld[:HxL]"``: over the BPE
   that also learned ALFWorld's text (the ALFWorld demo's model);
-* a local directory holding a transformers checkpoint (``config.json``);
+* a local directory holding a transformers checkpoint (``config.json``); a name that is a path (``./x``, ``/x``,
+  ``~/x``, ``a/b/c``) but no directory is :class:`ModelNotAvailable` "no such directory", never a hub lookup;
 * a friendly alias from :data:`ALIASES` (``qwen2.5-7b`` -> ``Qwen/Qwen2.5-7B-Instruct``) or a hub id, looked up in the
   local Hugging Face cache only -- agentenv never downloads at run time. When the weights are absent it raises
   :class:`ModelNotAvailable` whose message says what to download and where to put it.
@@ -63,6 +64,12 @@ def is_tiny(name: str) -> bool:
 TINY_VOCABS = {"tiny": "qwen2.5", "tiny-bpe": "small", "tiny-bpe-alfworld": "small-alfworld"}
 
 
+def looks_like_path(name: str) -> bool:
+    """A filesystem path, never a hub id: absolute, ``./``, ``../``, ``~``, or more than one ``/`` (hub ids are
+    exactly ``org/name``)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
 def resolve_model(name: str) -> ResolvedModel:
     if is_tiny(name):
         from agentenv.samplers.tiny import TinyConfig, materialize_tiny
@@ -83,6 +90,9 @@ def resolve_model(name: str) -> ResolvedModel:
         if not (p / "config.json").exists():
             raise ModelNotAvailable(f"{p} is a directory but holds no config.json; it is not a transformers checkpoint")
         return ResolvedModel(name=name, path=str(p.resolve()))
+    if looks_like_path(name):
+        raise ModelNotAvailable(f"--model {name}: no such directory ({p.resolve()}); give a transformers checkpoint "
+                                "directory, 'tiny', or a hub id such as Qwen/Qwen2.5-7B-Instruct")
     hub_id = ALIASES.get(name.lower(), name)
     if "/" not in hub_id:
         raise ModelNotAvailable(
@@ -91,9 +101,9 @@ def resolve_model(name: str) -> ResolvedModel:
         )
     snap = _hf_cache_snapshot(hub_id)
     if snap is None:
+        local = f"/path/to/{hub_id.split('/')[-1]}"
         raise ModelNotAvailable(
-            f"model {name!r} ({hub_id}) is not available offline: agentenv does not download weights at run time.\n"
-            f"  On a machine with internet:  huggingface-cli download {hub_id} --local-dir /path/to/{hub_id.split('/')[-1]}\n"
-            f"  then pass --model /path/to/{hub_id.split('/')[-1]}  (or copy the hub cache into $HF_HOME/hub)."
-        )
+            f"model {name!r} ({hub_id}) is not available offline (agentenv downloads nothing at run time): on a "
+            f"machine with internet run `hf download {hub_id} --local-dir {local}`, then pass --model {local} (or "
+            "copy the hub cache into $HF_HOME/hub)")
     return ResolvedModel(name=name, path=str(snap), hub_id=hub_id)
