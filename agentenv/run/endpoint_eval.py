@@ -80,11 +80,8 @@ def cmd_eval_endpoint(args, config_from_args) -> int:
     this module)."""
     from agentenv.core.config import ConfigError
     from agentenv.samplers.endpoint import EndpointError, EndpointPolicy, api_key_from_env
-    from agentenv.run.episodes import env_factory, rollout_config
-    from agentenv.core.metrics import batch_metrics
-    from agentenv.core.runtime import run_episodes
+    from agentenv.run.episodes import rollout_config
     from agentenv.run.train import make_run_dir
-    from agentenv.core.trajectory import JsonlWriter
 
     if not args.endpoint:
         print(f"error: {', '.join(endpoint_only_flags(args))} apply to --endpoint URL only (a local model's "
@@ -123,10 +120,33 @@ def cmd_eval_endpoint(args, config_from_args) -> int:
 
     cfg.model.name = served
     run_dir = make_run_dir(cfg)
+    evals, failed, total = _play_splits(cfg, policy, served, plays, args, run_dir)
+    summary = {"endpoint": policy.url, "model": served, "evals": evals, "requests": policy.requests,
+               "retried_requests": policy.retried, "usage": policy.usage,
+               "refused": str(policy.refused) if policy.refused else None}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"-> {run_dir / 'eval.jsonl'}, {run_dir / 'summary.json'}")
+    if policy.refused is not None:
+        print(f"error: {policy.refused}", file=sys.stderr)
+        return 2
+    if total and failed == total:
+        print(f"error: every episode failed (see 'error' in {run_dir / 'eval.jsonl'})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _play_splits(cfg, policy, served: str, plays: dict, args, run_dir) -> tuple[list[dict], int, int]:
+    """Each split's tasks through the endpoint, written to ``RUN/eval.jsonl`` as they finish; one ``[eval ...]``
+    line per split. Stops after the split where the endpoint refused. Returns (per-split metrics, failed, total)."""
+    from agentenv.core.metrics import batch_metrics
+    from agentenv.core.runtime import run_episodes
+    from agentenv.core.trajectory import JsonlWriter
+    from agentenv.run.episodes import env_factory, rollout_config
+
     evals, failed, total = [], 0, 0
     try:
         with JsonlWriter(run_dir / "eval.jsonl") as writer:
-            for split in splits:
+            for split in plays:
                 for t in plays[split]:
                     t.meta["split"] = split or "train_tasks"
                 t0 = time.perf_counter()
@@ -145,15 +165,4 @@ def cmd_eval_endpoint(args, config_from_args) -> int:
                     break
     finally:
         policy.close()
-    summary = {"endpoint": policy.url, "model": served, "evals": evals, "requests": policy.requests,
-               "retried_requests": policy.retried, "usage": policy.usage,
-               "refused": str(policy.refused) if policy.refused else None}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"-> {run_dir / 'eval.jsonl'}, {run_dir / 'summary.json'}")
-    if policy.refused is not None:
-        print(f"error: {policy.refused}", file=sys.stderr)
-        return 2
-    if total and failed == total:
-        print(f"error: every episode failed (see 'error' in {run_dir / 'eval.jsonl'})", file=sys.stderr)
-        return 1
-    return 0
+    return evals, failed, total
