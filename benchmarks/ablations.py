@@ -156,7 +156,7 @@ def parse_args(argv):
     p.add_argument("--seeds", type=int, nargs="+", default=list(range(16)))
     p.add_argument("--only", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="variants to run")
     p.add_argument("--parts", type=parse_parts, default=(1, 1), metavar="I/N", help="run the I-th of N slices")
-    p.add_argument("--updates", type=int, default=40, help="updates per run (the demo's 40)")
+    p.add_argument("--updates", type=int, default=80, help="updates per run (the demo preset's 80, at its lr)")
     p.add_argument("--batch", type=int, default=16, help="trajectories per update (a multiple of 4, for GRPO's G=4)")
     p.add_argument("--lag", type=int, default=8, help="the *_lag variants' fixed lag in updates")
     p.add_argument("--easy", type=float, default=0.3, help="share of easy questions (env.demo_easy_fraction)")
