@@ -46,7 +46,7 @@ def test_ctrl_c_during_a_rollout_outside_the_loop_exits_130_cleanly(tmp_path):
     rc, out = _run_and_interrupt(["run", "--env", "python", "--model", "tiny", "--no-progress",
                                   "--run-dir", str(tmp_path / "run"), "--set", "loop.batch_size=2",
                                   "--set", "eval.episodes=32"],
-                                 # the learner's load, then the sampler's: the start-of-run evaluation is under way
-                                 lambda s: "run dir" in s and s.count("Loading weights") >= 2, tmp_path)
+                                 # the start-of-run evaluation is under way (its log line comes just before)
+                                 lambda s: "run dir" in s and "agentenv.run.evaluation: eval " in s, tmp_path)
     assert rc == 130, out[-3000:]
     assert "terminate called" not in out and "interrupted" in out

@@ -21,12 +21,15 @@ The policy must already hold the weights to evaluate (the run loads the learner'
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from agentenv.core.config import RunConfig
 from agentenv.run.episodes import EpisodeSet
+
+log = logging.getLogger(__name__)
 
 
 def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | None = None,
@@ -39,6 +42,8 @@ def evaluate(cfg: RunConfig, policy, split: str | None = None, *, limit: int | N
     if cfg.eval.seed is not None:  # common random numbers across this run's evaluations (see EvalConfig.seed)
         for t in episodes.tasks:
             t.sampling_seed = mix_seed(cfg.eval.seed, split, t.meta["task"], t.meta["sample"])
+    log.info("eval %s: %d episodes at policy version %s", split or "train_tasks", len(episodes.tasks),
+             getattr(policy, "policy_version", "-"))  # greppable, and the moment an evaluation is under way
     t0 = time.perf_counter()
     trajs = _play(cfg, policy, episodes, progress)
     m = batch_metrics(trajs)
