@@ -144,8 +144,10 @@ def test_presets_equal_the_paper_settings_key_by_key():
 def test_one_turn_limit_and_one_engine_count():
     with pytest.raises(ConfigError, match="rollout.max_turns"):
         load_config("demo", [], ["env.kwargs.max_turns=5"])
-    with pytest.raises(ConfigError, match="vllm_engines"):
-        load_config("python_tool", [], ["launch.vllm_engines=3"])
+    c = load_config("python_tool", [], ["launch.vllm_engines=3"])  # the engine count drives the rollout actors
+    assert (c.launch.vllm_engines, c.loop.num_workers) == (3, 3)
+    with pytest.raises(ConfigError, match="vllm_engines=2: loop.backend=local"):
+        load_config("python_tool", [], ["loop.backend=local", "launch.vllm_engines=2"])
     with pytest.raises(ConfigError, match="needs model.backend=vllm"):
         load_config("python_tool", [], ["model.backend=hf"])
 

