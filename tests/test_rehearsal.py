@@ -32,7 +32,7 @@ def _run(tmp_path, args, extra_env=None):
     exe = Path(sys.executable).with_name("agentenv")
     argv = [str(exe) if exe.exists() else "agentenv", *args, "--run-dir", str(tmp_path / "run"), "--no-progress"]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", **(extra_env or {})}
-    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return tmp_path / "run"
 
@@ -83,16 +83,19 @@ def test_cpu_rehearsal_of_the_cluster_path(tmp_path):
     assert bool(_changed(run, resolve_model("tiny").path)) == (steps > 0)  # loads; moved iff the learner stepped
 
 
-def test_two_node_rehearsal_with_a_learning_signal(tmp_path):
+def test_two_node_rehearsal_with_a_learning_signal(tmp_path, monkeypatch):
     import signal_env
     from ray.cluster_utils import Cluster
 
     model = signal_env.two_token_model_dir(tmp_path / "model")
     tests = str(Path(signal_env.__file__).parent)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 4},
-                      shutdown_at_exit=True)
+    # the cluster's workers inherit this process's environment (not the run's): they must import signal_env
+    monkeypatch.setenv("PYTHONPATH", tests + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    node = {"num_cpus": 2, "num_gpus": 4}  # 2 nodes x 4 logical GPUs; one learner rank and one engine on each
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False}, shutdown_at_exit=True)
     try:
-        cluster.add_node(num_cpus=2, num_gpus=4)
+        cluster.add_node(**node)
         cluster.wait_for_nodes()
         run = _run(tmp_path, ["run", "--preset", "text_env", "--env", "signal_env:CoinGuess-v0", "--model", model,
                               "--set", "model.backend=vllm", "--set", "loop.backend=ray",
@@ -100,8 +103,7 @@ def test_two_node_rehearsal_with_a_learning_signal(tmp_path):
                               "--set", "launch.learner_world_size=2", "--set", "launch.learner_placement=STRICT_SPREAD",
                               "--set", "loop.total_updates=2", "--set", "loop.batch_size=8",
                               "--set", "rollout.max_new_tokens=8", "--set", "eval.episodes=4",
-                              "--set", "algo.lr=1e-3", "--set", "run.plot=false"],
-                   {"PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                              "--set", "algo.lr=1e-3", "--set", "run.plot=false"])
     finally:
         cluster.shutdown()
     summary = json.loads((run / "summary.json").read_text())

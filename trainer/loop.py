@@ -34,7 +34,8 @@ running as ``interrupted``, checkpoint (when ``run_dir`` is set), run ``on_end``
 the final evaluation, on the still-running samplers), record where the engines ran and how weights reached them
 (``components["placement"]``, ``["weight_sync"]``, Ray), flush the files, close the backend (joins every
 thread, kills every actor it started). ``on_start`` runs once the samplers hold the first weights;
-:meth:`Trainer.play` runs evaluation episodes on the rollout samplers from these hooks and ``on_update``. A second Ctrl-C raises ``KeyboardInterrupt`` at once.
+:meth:`Trainer.play` runs evaluation episodes on the rollout samplers from these hooks and ``on_update``. A second
+Ctrl-C raises ``KeyboardInterrupt`` at once.
 Resume (``resume=True``): learner (weights, optimizer, step, schedule, RNG), update counter, counters and the prompt
 sampler (unfinished prompts are issued again first) come back from ``run_dir/checkpoints/latest``.
 """
@@ -353,6 +354,7 @@ class Trainer:
 
     def _shutdown(self) -> dict:
         state = self.loop_state() if self._backend is not None else None  # requeue what is unfinished, first
+        running = [(f.wid, eid) for eid, f in self.ledger.inflight.items()]
         self.ledger.interrupt_all(self.step)
         if self.run_dir is not None and state is not None and self.step > 0:
             state.update(counters=self.ledger.state_dict(), rows=self._rows())
@@ -363,6 +365,8 @@ class Trainer:
         end_error = None
         if self._ended and self.on_end is not None and not self.interrupted and self._backend is not None:
             try:  # after the final checkpoint (of the weights rollouts used), before the samplers go
+                for wid, eid in running:  # interrupted already: they would only slow the final evaluation
+                    self._backend.cancel(wid, eid)
                 self.on_end()
             except BaseException as e:  # noqa: BLE001 -- re-raised once the backend is closed
                 end_error = e

@@ -146,7 +146,7 @@ def _memory_checks(cfg: RunConfig, mem: dict, per_gpu: float, colocated: bool, v
             f"{t['activations']:.1f} GB activations = {mem['learner_rank']:.1f} GB")
     model = f"{cfg.model.name} ({t['params_b']:.2f} B params)"
     if colocated:
-        sleep = plan.get("sleep_samplers_during_update", L.vllm_sleep)
+        sleep = L.vllm_sleep  # on the planned GPU (this machine may have none, where vLLM cannot sleep)
         peak = mem["colocated_peak_sleep"] if sleep else mem["colocated_peak"]
         ok = peak <= per_gpu
         out.append({"what": "gpu memory", "ok": ok, "detail": f"colocated {model} on one {per_gpu:.0f} GB GPU: "
