@@ -10,6 +10,7 @@ says which episode starts on which worker, and the backend moves calls and data.
 * ``alive_workers()``, ``kill_worker`` (fault injection), ``restart_worker``, ``close() -> {"leftover_threads": n}``.
 * ``components() -> dict``: what actually started (sampler kind, backend, engines), for ``summary.json``.
 * ``local_policy()``: the in-process sampler holding the published weights, or None (Ray: samplers live in actors).
+* ``play(make_env, tasks, rollout) -> trajectories``: evaluation episodes on the same samplers, next to training.
 
 :class:`LocalBackend` keeps the workers as thread groups in this process sharing ONE sampler through one
 :class:`~agentenv.core.runtime.Batcher` (generation is batched across every in-flight episode); weight sync is an
@@ -48,6 +49,7 @@ class Backend(Protocol):
     def restart_worker(self, wid: int) -> None: ...
     def components(self) -> dict: ...
     def local_policy(self): ...
+    def play(self, make_env: Callable, tasks: list, rollout: RolloutConfig) -> list: ...
     def close(self) -> dict: ...
 
 
@@ -109,6 +111,11 @@ class LocalBackend:
     def local_policy(self):
         return self.policy
 
+    def play(self, make_env: Callable, tasks: list, rollout: RolloutConfig) -> list:
+        from agentenv.core.runtime import run_episodes
+
+        return run_episodes(make_env, self.policy, len(tasks), rollout, tasks=tasks)
+
     def components(self) -> dict:
         kind = sampler_kind(self.policy)
         return {"sampler": kind, "rollout_backend": "local", "vllm_engines": int(kind == "vllm")}
@@ -124,9 +131,10 @@ class LocalBackend:
 
 
 def make_backend(loop: LoopConfig, launch: LaunchConfig, rollout: RolloutConfig, make_env: Callable,
-                 make_policy: Callable) -> Backend:
+                 make_policy: Callable, placement=None) -> Backend:
+    """``placement`` (:class:`~agentenv.trainer.placement.Placement`, Ray only) pins each actor to its bundle."""
     if loop.backend == "ray":
         from .ray_backend import RayBackend  # ray is an optional dependency: imported only when asked for
 
-        return RayBackend(loop, launch, rollout, make_env, make_policy)
+        return RayBackend(loop, launch, rollout, make_env, make_policy, placement)
     return LocalBackend(loop, rollout, make_env, make_policy)

@@ -9,6 +9,8 @@ Contract:
   and building ``Learner(model, config, shard=True)``. Both have the same interface: ``update(trajs) -> stats``,
   ``step``, ``policy_version``, ``export_weights()``, ``state_dict()`` / ``load_state_dict()``, ``save(path)`` /
   ``load(path)``, ``save_pretrained(dir)``, ``use_average()``, ``components()``, ``close()``.
+* With a :class:`~agentenv.trainer.placement.Placement` (``loop.backend=ray``) the W ranks are Ray actors instead
+  (:class:`RayShardedLearner`, below), each in its own placement bundle, so the learner can span nodes.
 * Every rank receives every command with the same arguments (the whole batch: the rows are split inside
   :meth:`Learner.update`); rank 0's reply is returned. An exception on any rank is raised in the driver with that
   rank's traceback, and the learner stays usable when the error was a refused input (every rank refuses alike).
@@ -35,9 +37,11 @@ from agentenv.core.trajectory import Trajectory
 # --- the driver's object over W ranks -------------------------------------------------------------------------------
 
 
-def make_learner(cfg, model_path: str, device: str | None = None, **overrides):
+def make_learner(cfg, model_path: str, device: str | None = None, placement=None, **overrides):
     """The learner a run executes: one process, or ``cfg.launch.learner_world_size`` FSDP2 ranks (see the module
-    docstring). ``overrides`` go to :func:`~agentenv.trainer.learner.learner_config_from`."""
+    docstring; with a :class:`~agentenv.trainer.placement.Placement` the ranks are Ray actors placed by it,
+    :class:`RayShardedLearner`). ``overrides`` go to
+    :func:`~agentenv.trainer.learner.learner_config_from`."""
     from .learner import Learner, learner_config_from
     from .model_io import load_learner_model
 
@@ -45,6 +49,8 @@ def make_learner(cfg, model_path: str, device: str | None = None, **overrides):
     world = cfg.launch.learner_world_size
     if world == 1:
         return Learner(load_learner_model(model_path), config, device=device)
+    if placement is not None:
+        return RayShardedLearner(config, model_path, world, placement)
     return ShardedLearner(config, model_path, world)
 
 
@@ -188,7 +194,129 @@ def _serve(learner, name: str, args: tuple):
     raise ValueError(f"unknown learner command {name!r}")
 
 
-def _free_port() -> int:
+# --- the ranks as Ray actors ------------------------------------------------------------------------------------
+# The sharded learner as Ray actors: FSDP2 ranks that can span nodes, placed by :mod:`agentenv.trainer.placement`.
+#
+# :class:`RayShardedLearner` is :class:`ShardedLearner` (same driver-side interface,
+# same commands served by the same ``_serve``) with its W ranks as Ray actors instead of local processes: rank r runs
+# in the bundle :meth:`Placement.learner_options(r)` reserves, on whichever node Ray put it. Rank 0 picks the
+# rendezvous address (its node's IP and a free port there); every rank then joins one ``torch.distributed`` group
+# (NCCL with CUDA, gloo on CPU). With a GPU bundle Ray sets ``CUDA_VISIBLE_DEVICES`` to the rank's device, so each
+# rank uses ``cuda:0`` of its own view. Every command goes to every rank with the same arguments; rank 0's reply is
+# returned; a refused input (a ``ValueError`` on every rank) is raised as ``ValueError``, anything else as
+# ``RuntimeError`` with each failing rank's error. :meth:`placement` says where each rank runs:
+# ``[{"rank": r, "node": <Ray node id>, "gpus": [ids]}]``.
+
+
+class LearnerRank:
+    """Actor body of one rank (wrapped with ``ray.remote`` by :class:`RayShardedLearner`)."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world, self.learner = rank, world, None
+
+    def where(self) -> dict:
+        from .placement import where
+
+        return {"rank": self.rank, **where()}
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port(bind="0.0.0.0")
+
+    def setup(self, addr: str, port: int, model_path: str, config, policy_version: int) -> None:
+        import torch
+
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(self.rank), WORLD_SIZE=str(self.world),
+                          LOCAL_RANK="0")  # Ray narrows CUDA_VISIBLE_DEVICES to this rank's GPU
+        from .learner import Learner
+        from .model_io import load_learner_model
+        from .sharding import init_distributed
+
+        if not torch.cuda.is_available():
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
+        model = load_learner_model(model_path)
+        info = init_distributed()
+        self.learner = Learner(model, config, device=info.device, shard=True, policy_version=policy_version)
+
+    def call(self, name: str, args: tuple):
+        value = _serve(self.learner, name, args)
+        return value if self.rank == 0 else None
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RayShardedLearner(ShardedLearner):
+    def __init__(self, config, model_path: str, world_size: int, placement, *, policy_version: int = 0,
+                 timeout_s: float = 3600):
+        import ray
+
+        if world_size < 2:
+            raise ValueError(f"a sharded learner needs world_size >= 2, got {world_size}")
+        self.ray, self.config, self.model_path, self.world_size = ray, config, model_path, world_size
+        self.timeout_s = timeout_s
+        cls = ray.remote(LearnerRank)
+        self._procs = [cls.options(**placement.learner_options(r), max_restarts=0).remote(r, world_size)
+                       for r in range(world_size)]
+        try:
+            self._where = ray.get([a.where.remote() for a in self._procs], timeout=300)
+            addr, port = ray.get(self._procs[0].address.remote())
+            self._gather([a.setup.remote(addr, port, model_path, config, policy_version) for a in self._procs],
+                         "setup")
+            info = self._call("info")
+        except BaseException:
+            self.close()
+            raise
+        self.step, self.policy_version, self._components = info["step"], info["policy_version"], info["components"]
+
+    def placement(self) -> list[dict]:
+        return [dict(w) for w in self._where]
+
+    def _gather(self, refs: list, name: str):
+        ray, values, failed = self.ray, [], {}
+        for r, ref in enumerate(refs):
+            try:
+                values.append(ray.get(ref, timeout=self.timeout_s))
+            except ray.exceptions.RayTaskError as e:
+                cause = e.cause if isinstance(e.cause, BaseException) else None
+                failed[r] = (type(cause).__name__ if cause else "RayTaskError", str(cause or e))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                self.close()
+                raise RuntimeError(f"sharded learner {name}: rank {r} gave no reply ({type(e).__name__}); the "
+                                   "learner ranks were stopped") from e
+        if failed:
+            kind = ValueError if all(k == "ValueError" for k, _ in failed.values()) else RuntimeError
+            first = next(iter(failed.values()))[1].strip().splitlines()[-1]
+            raise kind(f"sharded learner {name}: {first}\n" + "\n".join(f"rank {r}: {m}" for r, (_, m) in
+                                                                        failed.items()))
+        return values[0]
+
+    def _call(self, name: str, *args):
+        if not self._procs:
+            raise RuntimeError("the sharded learner is closed")
+        return self._gather([a.call.remote(name, args) for a in self._procs], name)
+
+    def close(self) -> None:
+        actors, self._procs = getattr(self, "_procs", []), []
+        if not actors:
+            return
+        for ref in [a.close.remote() for a in actors]:
+            try:
+                self.ray.get(ref, timeout=60)
+            except Exception:  # noqa: BLE001 -- dead or hung: killed below
+                pass
+        for a in actors:
+            try:
+                self.ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 -- already gone
+                pass
+
+
+def _free_port(bind: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((bind, 0))
         return s.getsockname()[1]

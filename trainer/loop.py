@@ -30,8 +30,12 @@ Call order, per loop iteration (driver thread): ``dispatch.take`` -> learner thr
 Faults: a worker crash loses only its in-flight episodes (counted ``worker_crash``); the worker is restarted
 (``loop.restart_workers``). A hung episode is abandoned at ``loop.episode_timeout_s`` (counted), its env closed.
 Shutdown (SIGINT / :meth:`Trainer.request_stop` / done): finish the update in progress, record what was still
-running as ``interrupted``, checkpoint (when ``run_dir`` is set), flush the files, close the backend (joins every
-thread, kills every actor it started). A second Ctrl-C raises ``KeyboardInterrupt`` at once.
+running as ``interrupted``, checkpoint (when ``run_dir`` is set), run ``on_end`` (only when the loop completed:
+the final evaluation, on the still-running samplers), record where the engines ran and how weights reached them
+(``components["placement"]``, ``["weight_sync"]``, Ray), flush the files, close the backend (joins every
+thread, kills every actor it started). ``on_start`` runs once the samplers hold the first weights;
+:meth:`Trainer.play` runs evaluation episodes on the rollout samplers from these hooks and ``on_update``. A second
+Ctrl-C raises ``KeyboardInterrupt`` at once.
 Resume (``resume=True``): learner (weights, optimizer, step, schedule, RNG), update counter, counters and the prompt
 sampler (unfinished prompts are issued again first) come back from ``run_dir/checkpoints/latest``.
 """
@@ -78,7 +82,8 @@ class Trainer:
                  learner, tasks: Sequence[EpisodeSpec], run_dir: str | Path | None = None, resume: bool = False,
                  launch: LaunchConfig | None = None, metrics: MetricsLogger | None = None,
                  on_update: Callable[[dict], None] | None = None, save_trajectories: bool = True,
-                 sleep_samplers_during_update: bool = False):
+                 sleep_samplers_during_update: bool = False, placement=None,
+                 on_start: Callable[[], None] | None = None, on_end: Callable[[], None] | None = None):
         if not tasks:
             raise ValueError("no tasks (prompts) to train on")
         if resume and run_dir is None:
@@ -86,6 +91,7 @@ class Trainer:
         self.cfg, self.rollout, self.launch = loop, rollout, launch or LaunchConfig()
         self.make_env, self.make_policy, self.learner = make_env, make_policy, learner
         self.tasks, self.on_update = list(tasks), on_update
+        self.placement, self.on_start, self.on_end = placement, on_start, on_end
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.save_trajectories, self.sleep_samplers = save_trajectories, sleep_samplers_during_update
         self.sampler = PromptSampler(len(self.tasks), loop.seed)
@@ -98,6 +104,8 @@ class Trainer:
         self.interrupted = False  # stopped by SIGINT (Ctrl-C) before total_updates
         self._stop = threading.Event()
         self._backend = None
+        self._published: int | None = None  # the version the samplers hold
+        self._ended = False  # the loop finished without an error: on_end runs at shutdown
         self._held_back: deque = deque(maxlen=loop.fixed_lag + 1)  # (weights, version), oldest first
         self._writer: JsonlWriter | None = None
         self._rows_resumed: dict | None = None
@@ -121,6 +129,14 @@ class Trainer:
         """The in-process sampler holding the current weights (local backend), else None (Ray: it lives in actors)."""
         return self._backend.local_policy() if self._backend is not None else None
 
+    def play(self, make_env: Callable, tasks: list, rollout: RolloutConfig) -> list[Trajectory]:
+        """Evaluation episodes on the rollout samplers (between updates: ``on_start`` / ``on_update`` / ``on_end``),
+        with the learner's current weights (published first when they changed, e.g. by weight averaging)."""
+        if self._published != self.learner.policy_version:
+            self._backend.publish(self.learner.export_weights(), self.learner.policy_version)
+            self._published = self.learner.policy_version
+        return self._backend.play(make_env, tasks, rollout)
+
     def inflight_on(self, wid: int) -> int:
         return sum(f.wid == wid for f in self.ledger.inflight.values())
 
@@ -132,9 +148,12 @@ class Trainer:
         pending: Future | None = None
         try:
             self._open_outputs()
-            self._backend = make_backend(cfg, self.launch, self.rollout, self.make_env, self.make_policy)
+            self._backend = make_backend(cfg, self.launch, self.rollout, self.make_env, self.make_policy,
+                                         self.placement)
             self.components = self._backend.components()
             self._publish()
+            if self.on_start is not None:
+                self.on_start()
             self.clock.start(self.step)
             log.info("run start mode=%s backend=%s step=%d version=%d B=%d Q=%d workers=%d concurrency=%d",
                      cfg.mode, cfg.backend, self.step, self.learner.policy_version, cfg.batch_size, cfg.queue_size,
@@ -160,6 +179,7 @@ class Trainer:
                 self._finish_update(pending.result())
                 pending = None
             self.clock.stop()
+            self._ended = True
         finally:
             if pending is not None:
                 pending.cancel()
@@ -244,6 +264,7 @@ class Trainer:
                 self._held_back.append(weights)
             weights = self._held_back[0]
         self._backend.publish(*weights)
+        self._published = weights[1]
 
     def _finish_update(self, u: _Update) -> None:
         self.step += 1
@@ -333,6 +354,7 @@ class Trainer:
 
     def _shutdown(self) -> dict:
         state = self.loop_state() if self._backend is not None else None  # requeue what is unfinished, first
+        running = [(f.wid, eid) for eid, f in self.ledger.inflight.items()]
         self.ledger.interrupt_all(self.step)
         if self.run_dir is not None and state is not None and self.step > 0:
             state.update(counters=self.ledger.state_dict(), rows=self._rows())
@@ -340,6 +362,21 @@ class Trainer:
                 self.save_checkpoint(state)
             except Exception as e:  # noqa: BLE001 -- a failed final checkpoint must not hide the shutdown
                 log.error("final checkpoint failed: %s", e)
+        end_error = None
+        if self._ended and self.on_end is not None and not self.interrupted and self._backend is not None:
+            try:  # after the final checkpoint (of the weights rollouts used), before the samplers go
+                for wid, eid in running:  # interrupted already: they would only slow the final evaluation
+                    self._backend.cancel(wid, eid)
+                self.on_end()
+            except BaseException as e:  # noqa: BLE001 -- re-raised once the backend is closed
+                end_error = e
+        if self._backend is not None and hasattr(self._backend, "placement_record"):
+            try:  # where the engines ran and how weights reached them, recorded before the actors go
+                self.components.update(self._backend.components())
+                self.components["placement"] = {"engines": self._backend.placement_record()}
+                self.components["weight_sync"] = self._backend.weight_sync()
+            except Exception as e:  # noqa: BLE001 -- a record must not hide the shutdown
+                log.error("recording the placement failed: %s", e)
         t_close = time.perf_counter()
         info = self._backend.close() if self._backend is not None else {}
         rates = self.clock.summary(t_close)
@@ -357,4 +394,6 @@ class Trainer:
             self.metrics.log_event("shutdown", **summary)
             if self._owns_metrics:
                 self.metrics.close()
+        if end_error is not None:
+            raise end_error
         return summary

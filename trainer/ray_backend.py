@@ -16,14 +16,21 @@ decision (what to start where, batching, staleness, timeouts, accounting); this 
   worker-level crash inside a live actor arrives as a ``died`` event. Either way the driver drops that worker's
   in-flight episodes (counted), and :meth:`restart_worker` kills the old actor, starts a new one and loads the
   current weights into it before it gets work.
-* Cluster: when Ray is not initialised, a local cluster is started with ``RAY_AUTH_MODE=disabled`` (Ray 2.60 turns
-  on token auth otherwise), ``num_cpus=launch.ray_num_cpus`` and no dashboard, and shut down at :meth:`close`;
-  with ``launch.ray_address`` it joins that cluster instead. :meth:`close` kills every actor it created either way.
+* Placement: with a :class:`~agentenv.trainer.placement.Placement` (what ``agentenv run`` passes) actor ``i`` runs
+  in engine bundle ``i`` of the run's placement group, so engines and learner ranks never share a GPU;
+  :meth:`placement_record` says where Ray put each engine and :meth:`weight_sync` how weights reached them
+  (``object_store``, mean seconds per publish). ``components()["vllm_engines"]`` counts every actor started,
+  restarts included. :meth:`play` runs evaluation episodes on the actors' samplers, next to training.
+* Cluster: without a placement, when Ray is not initialised, a local cluster is started with
+  ``RAY_AUTH_MODE=disabled`` (Ray 2.60 turns on token auth otherwise), ``num_cpus=launch.ray_num_cpus`` (default:
+  the actors' CPUs), ``num_gpus=launch.ray_num_gpus`` and no dashboard, and shut down at :meth:`close`; with
+  ``launch.ray_address`` it joins that cluster instead. :meth:`close` kills every actor it created either way.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -32,23 +39,13 @@ from agentenv.core.runtime import Batcher, EpisodeSpec, RolloutConfig
 
 from agentenv.core.config import LaunchConfig, LoopConfig
 
+from .placement import init_ray, where
 from .workers import RolloutWorker, sampler_kind
 
 log = logging.getLogger("agentenv.trainer.ray")
-
-
-def init_ray(num_cpus: int | None = 2, address: str | None = None) -> bool:
-    """Start (or join) Ray unless it is already up. Returns True when this call started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if address:
-        ray.init(address=address)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
-    return True
+# An actor that cannot be scheduled is refused earlier (preflight, placement group); this bounds a slow start only
+# (a vLLM engine on a loaded CPU box takes minutes).
+READY_TIMEOUT_S = 1200
 
 
 class RayRolloutWorker:
@@ -85,6 +82,15 @@ class RayRolloutWorker:
     def sampler_kind(self) -> str:
         return sampler_kind(self.policy)
 
+    def where(self) -> dict:
+        return where()
+
+    def play(self, make_env: Callable, tasks: list, rollout_cfg: RolloutConfig) -> list:
+        """Evaluation on this actor's sampler: every task once, next to (sharing the engine with) training episodes."""
+        from agentenv.core.runtime import run_episodes
+
+        return run_episodes(make_env, self.policy, len(tasks), rollout_cfg, tasks=tasks)
+
     def crash(self) -> None:
         """Fault injection from the driver: a worker-level crash inside a live actor."""
         self.worker.kill()
@@ -109,28 +115,34 @@ class _Handle:
 
 class RayBackend:
     def __init__(self, loop: LoopConfig, launch: LaunchConfig, rollout: RolloutConfig, make_env: Callable,
-                 make_policy: Callable):
+                 make_policy: Callable, placement=None):
         import ray
 
         self.ray = ray
         self.loop, self.launch, self.rollout = loop, launch, rollout
-        self.make_env, self.make_policy = make_env, make_policy
-        self._owns_ray = init_ray(launch.ray_num_cpus, launch.ray_address)
+        self.make_env, self.make_policy, self.placement = make_env, make_policy, placement
+        needed = max(1, math.ceil(loop.num_workers * launch.worker_num_cpus))
+        self._owns_ray = placement is None and init_ray(launch.ray_num_cpus or needed, launch.ray_address,
+                                                        launch.ray_num_gpus)
+        self.started = 0  # actors spawned, restarts included
+        self._publish_s: list[float] = []
         self._cls = ray.remote(RayRolloutWorker)
         self._weights = None  # (ObjectRef of the last published state dict, version)
         self._events: list = []  # deaths the driver caused (kill_worker), reported on the next poll
         self.workers: list[_Handle] = []
         try:
             self.workers = [self._spawn(i) for i in range(loop.num_workers)]
-            pids = ray.get([w.actor.ready.remote() for w in self.workers], timeout=300)
+            pids = ray.get([w.actor.ready.remote() for w in self.workers], timeout=READY_TIMEOUT_S)
         except BaseException:
             self.close()
             raise
         log.info("ray backend: %d rollout actors up (pids %s)", len(pids), pids)
 
     def _spawn(self, i: int) -> _Handle:
-        opts = {"num_cpus": self.launch.worker_num_cpus, "num_gpus": self.launch.worker_num_gpus,
-                "max_concurrency": self.loop.concurrency + 8, "max_restarts": 0}
+        opts = ({"num_cpus": self.launch.worker_num_cpus, "num_gpus": self.launch.worker_num_gpus}
+                if self.placement is None else self.placement.engine_options(i))
+        opts.update(max_concurrency=self.loop.concurrency + 8, max_restarts=0)
+        self.started += 1
         return _Handle(self._cls.options(**opts).remote(i, self.make_env, self.make_policy, self.rollout))
 
     def submit(self, wid: int, eid: int, task: EpisodeSpec) -> None:
@@ -180,7 +192,7 @@ class RayBackend:
         return events
 
     def publish(self, state_dict: dict, version: int) -> None:
-        ray = self.ray
+        ray, t0 = self.ray, time.perf_counter()
         ref = ray.put(state_dict)  # one copy in the object store, shared by every actor on a node
         self._weights = (ref, version)
         acks = {w.actor.load_weights.remote(ref, version): i for i, w in enumerate(self.workers) if w.alive}
@@ -189,6 +201,7 @@ class RayBackend:
                 ray.get(r)
             except ray.exceptions.RayActorError:
                 self.workers[i].alive = False  # its poll reports the death; nothing else to do here
+        self._publish_s.append(time.perf_counter() - t0)
 
     def _on_live(self, method: str) -> None:
         refs = [getattr(w.actor, method).remote() for w in self.workers if w.alive]
@@ -219,7 +232,27 @@ class RayBackend:
                 pass
         kind = kinds.pop() if len(kinds) == 1 else "/".join(sorted(kinds)) or "unknown"
         return {"sampler": kind, "rollout_backend": "ray",
-                "vllm_engines": len(self.workers) if kind == "vllm" else 0}
+                "vllm_engines": self.started if kind == "vllm" else 0}
+
+    def placement_record(self) -> list[dict]:
+        """Where Ray put each live engine actor: ``[{"engine": i, "node", "gpus"}]``."""
+        refs = {i: w.actor.where.remote() for i, w in enumerate(self.workers) if w.alive}
+        return [{"engine": i, **self.ray.get(r, timeout=60)} for i, r in refs.items()]
+
+    def weight_sync(self) -> dict:
+        """How weights reached the engines: one ``ray.put`` of the state dict per update, each actor copying it in."""
+        n = len(self._publish_s)
+        return {"transport": "object_store", "seconds_mean": sum(self._publish_s) / n if n else None,
+                "publishes": n}
+
+    def play(self, make_env: Callable, tasks: list, rollout: RolloutConfig) -> list:
+        """Every task once on the rollout actors' samplers (dealt round-robin to the live ones), next to training."""
+        live = [w for w in self.workers if w.alive]
+        if not live:
+            raise RuntimeError("no live rollout actor to evaluate on")
+        shares = [tasks[i::len(live)] for i in range(len(live))]
+        refs = [w.actor.play.remote(make_env, share, rollout) for w, share in zip(live, shares) if share]
+        return [t for r in refs for t in self.ray.get(r)]
 
     def kill_worker(self, wid: int) -> None:
         """Fault injection: kill the actor process outright. It gets no more work from this moment; the driver sees

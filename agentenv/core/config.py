@@ -259,7 +259,11 @@ class LaunchConfig(_Section):
     vllm_sleep: bool = True  # colocated engine releases its KV cache during the learner step (vLLM sleep mode)
     learner_world_size: int = Field(1, ge=1)  # > 1: FSDP2 learner ranks (gloo on CPU, NCCL on GPU)
     ray_address: Optional[str] = None  # None: start a local Ray cluster (loop.backend=ray)
-    ray_num_cpus: Optional[int] = Field(2, ge=1)  # CPUs of that local cluster
+    ray_num_cpus: Optional[int] = Field(None, ge=1)  # CPUs of that local cluster; None = what the plan needs
+    ray_num_gpus: Optional[int] = Field(None, ge=0)  # GPUs that local cluster declares; None = the visible ones
+    gpu_memory_gb: Optional[float] = Field(None, gt=0)  # memory per GPU for preflight; None = the visible GPUs'
+    # Ray placement of the learner ranks' bundles: PACK (fewest nodes, NVLink) / SPREAD / STRICT_SPREAD (one per node)
+    learner_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     worker_num_cpus: float = Field(1.0, ge=0)  # Ray resources per rollout actor
     worker_num_gpus: float = Field(0.0, ge=0)  # e.g. 1 per vLLM engine actor on a GPU cluster
 

@@ -16,7 +16,9 @@ With ``eval.samplers`` = k > 1 the plays are dealt round-robin to the policy and
 afterwards); seeded plays score the same whichever copy plays them.
 The same function serves periodic evaluation during a run, ``agentenv run --eval-only``, ``agentenv eval`` and a
 scripted player's evaluation (the ALFWorld expert: the envs are built with the policy's ``env_kwargs``).
-The policy must already hold the weights to evaluate (the run loads the learner's current weights into it).
+The policy must already hold the weights to evaluate (the run loads the learner's current weights into it). A
+policy with ``play_episodes(make_env, tasks, rollout)`` plays the episodes itself: during a run, that is the run's
+rollout samplers (:meth:`agentenv.trainer.loop.Trainer.play`), so evaluation never starts an engine of its own.
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ def _play(cfg: RunConfig, policy, episodes: EpisodeSet, progress: bool) -> list:
         return shard.play(p, concurrency=min(16, len(shard.tasks)), **kw)
 
     tasks = episodes.tasks
+    if hasattr(policy, "play_episodes"):  # the run's rollout samplers (Ray actors' engines) play them where they are
+        from dataclasses import replace
+
+        return policy.play_episodes(episodes.make_env, tasks,
+                                    replace(episodes.rollout, concurrency=min(16, max(1, len(tasks)))))
     k = min(cfg.eval.samplers, len(tasks))
     if k <= 1:
         return play(policy, episodes, progress=progress)

@@ -21,7 +21,7 @@ task file, the tokenizer and its chat template, the requested loggers), so ``--d
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from agentenv.core.config import RunConfig
 from agentenv.envs.spec import Check
@@ -92,6 +92,7 @@ class LaunchPlan:
     checks: tuple[Check, ...]
     notes: tuple[str, ...]
     run_dir: str
+    placement: dict | None = None  # what the cluster reserves (:mod:`agentenv.run.capacity`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,7 +124,7 @@ def launch_plan(cfg: RunConfig) -> LaunchPlan:
     vllm = cfg.model.backend == "vllm"
     world = cfg.launch.learner_world_size
     colocated = vllm and device.startswith("cuda") and max(ngpu, cfg.launch.gpus) <= 1
-    return LaunchPlan(
+    plan = LaunchPlan(
         env=env_id, model=model, device=device, visible_gpus=ngpu,
         context_tokens=min(cfg.rollout.max_total_tokens, model.max_positions or cfg.rollout.max_total_tokens),
         components=Components(
@@ -141,6 +142,10 @@ def launch_plan(cfg: RunConfig) -> LaunchPlan:
             updates=cfg.loop.total_updates,
             average_last_updates=min(cfg.algo.average_last_updates, cfg.loop.total_updates)),
         checks=tuple(checks), notes=tuple(notes), run_dir=cfg.run.dir or f"runs/{cfg.run.name}-<time>")
+    from agentenv.run.capacity import capacity
+
+    placement, more = capacity(cfg, plan)
+    return replace(plan, placement=placement, checks=plan.checks + tuple(more))
 
 
 def _model_plan(cfg: RunConfig) -> ModelPlan:
@@ -191,23 +196,30 @@ def _component_checks(cfg: RunConfig, device: str, ngpu: int) -> list[Check]:
         checks.append(Check("vllm", ok, "importable" if ok else
                             "model.backend=vllm but vllm is not installed: pip install 'agentenv[vllm]' (GPU), "
                             "scripts/install_vllm_cpu.sh (CPU), or --set model.backend=hf"))
+        if ok:
+            from agentenv.run.capacity import vllm_version_check
+
+            checks.append(vllm_version_check())
     if vllm and ray and device.startswith("cuda"):
         tp, per_actor = cfg.launch.vllm_tensor_parallel, cfg.launch.worker_num_gpus
         checks.append(Check("engine gpus", per_actor >= tp, f"{per_actor} GPU(s) per rollout actor for a "
                             f"tensor-parallel-{tp} engine" + ("" if per_actor >= tp else
                                                               f": set launch.worker_num_gpus={tp}")))
-    if ray and cfg.launch.ray_address is None and cfg.launch.worker_num_gpus > ngpu:
+    ray_gpus = ngpu if cfg.launch.ray_num_gpus is None else cfg.launch.ray_num_gpus
+    if ray and cfg.launch.ray_address is None and cfg.launch.worker_num_gpus > ray_gpus:
         checks.append(Check("actor gpus", False, f"launch.worker_num_gpus={cfg.launch.worker_num_gpus} per rollout "
-                            f"actor, but this machine's local Ray cluster has {ngpu} GPU(s): the actors could never "
-                            "be placed (set launch.worker_num_gpus=0 on a CPU)"))
+                            f"actor, but this machine's local Ray cluster has {ray_gpus} GPU(s): the actors could "
+                            "never be placed (set launch.worker_num_gpus=0 on a CPU)"))
     if ray:
         ok = importlib.util.find_spec("ray") is not None
         checks.append(Check("ray", ok, "importable" if ok else "loop.backend=ray but ray is not installed: "
                             "pip install 'agentenv[ray]' or --set loop.backend=local"))
     needed = cfg.launch.gpus
     if needed:
-        checks.append(Check("gpus", ngpu >= needed, f"{ngpu} visible, {needed} planned (launch.gpus)" + (
-            "" if ngpu >= needed else ": run on a machine with enough GPUs, or plan fewer (--set launch.gpus=N ...)")))
+        have = ray_gpus if ray else ngpu
+        seen = "declared (launch.ray_num_gpus)" if have != ngpu else "visible"
+        checks.append(Check("gpus", have >= needed, f"{have} {seen}, {needed} planned (launch.gpus)" + (
+            "" if have >= needed else ": run on a machine with enough GPUs, or plan fewer (--set launch.gpus=N ...)")))
     if cfg.launch.learner_world_size > 1 and device.startswith("cuda"):
         import torch.distributed as dist
 
@@ -269,6 +281,11 @@ def print_plan(cfg: RunConfig, plan: LaunchPlan, out=print) -> int:
                if plan.colocated else ""))
     else:
         out("sampler  transformers (HFPolicy)")
+    if plan.placement is not None:
+        from agentenv.run.capacity import describe
+
+        for line in describe(plan.placement):
+            out(line)
     loss = " ".join(f"{k}={v}" for k, v in a.loss.items() if k != "type")
     out(f"algo     {a.loss['type']} ({loss}) {a.mode}: {a.batch} per update, lr={a.lr} ({a.schedule}), "
         f"{a.updates} updates"

@@ -7,11 +7,12 @@ Contract of :func:`run(cfg)` (a :class:`Run`: ``prepare`` is 1-2, ``train`` 3-5,
    resolved ``RUN/config.yaml``.
 2. Optional SFT warm start (``sft.enabled``) into ``RUN/sft_model``.
 3. The parts the plan names are built -- samplers (:func:`policy_factory`: transformers or vLLM), the learner
-   (:func:`agentenv.trainer.distributed.make_learner`: one process, or FSDP2 ranks) -- and wired by
+   (:func:`agentenv.trainer.distributed.make_learner`: one process, or FSDP2 ranks: processes, or Ray actors placed
+   with the engines by :mod:`agentenv.trainer.placement`) -- and wired by
    :class:`agentenv.trainer.loop.Trainer`; every update goes to ``RUN/metrics.jsonl`` / TensorBoard / one
    ``[update N]`` line (:class:`agentenv.core.metrics.MetricsLogger`), every trajectory to ``RUN/trajectories.jsonl``.
 4. Evaluation (:mod:`agentenv.run.evaluation`) at the start, every ``eval.every`` updates and at the end, always with the
-   learner's CURRENT weights, whatever the rollout backend.
+   learner's CURRENT weights, on the run's own rollout samplers whatever the backend (never an engine of its own).
 5. ``algo.average_last_updates`` = N > 0: when the loop finishes (not on Ctrl-C), the learner's weights become the
    mean of its weights after each of the last N updates (:meth:`Learner.use_average`); the final evaluation (its
    records carry ``weights``) and ``RUN/final_model`` are of that mean, checkpoints of the weights rollouts used.
@@ -95,8 +96,8 @@ class Run:
     def __init__(self, cfg: RunConfig, *, resume: bool = False, progress: bool = True, echo=print):
         self.cfg, self.resume, self.progress, self.echo = cfg, resume, progress, echo
         self.evals: list[dict] = []
-        self.eval_policy = None  # a driver-side sampler for evaluations when the loop has no local one
-        self.learner = self.trainer = self.bar = None
+        self.learner = self.trainer = self.bar = self.placement = None
+        self.averaged, self.final_weights = 0, None  # the tail average the loop's end swapped in (``on_end``)
 
     def prepare(self, *, eval_only: bool = False) -> None:
         import torch
@@ -147,17 +148,15 @@ class Run:
         return RunResult(self.run_dir, summary, [], self.evals)
 
     def current_weights_policy(self):
-        """A sampler holding the learner's current weights (the local backend's own, or a driver-side one)."""
+        """The rollout samplers, holding the learner's current weights: the local backend's own sampler, or the Ray
+        actors' engines (evaluation never starts an engine of its own)."""
         learner = self.learner
         local = self.trainer.local_policy()  # None with Ray (samplers live in actors)
         if local is not None:
             if getattr(local, "policy_version", None) != learner.policy_version:  # the weight average swapped in
                 local.load_weights(learner.export_weights(), learner.policy_version)
             return local
-        if self.eval_policy is None:
-            self.eval_policy = self.make_policy(0)
-        self.eval_policy.load_weights(learner.export_weights(), learner.policy_version)
-        return self.eval_policy
+        return OnRolloutSamplers(self.trainer)
 
     def on_update(self, m: dict) -> None:
         cfg = self.cfg
@@ -180,7 +179,11 @@ class Run:
 
         cfg, plan = self.cfg, self.plan
         _check_truncated_sampling(cfg, self.model_path, plan.device)
-        self.learner = make_learner(cfg, self.model_path, device=plan.device)
+        if cfg.loop.backend == "ray":  # Ray starts here: the learner ranks and the engines share its placement
+            from agentenv.trainer.placement import make_placement
+
+            self.placement = make_placement(cfg, plan)
+        self.learner = make_learner(cfg, self.model_path, device=plan.device, placement=self.placement)
         episodes = EpisodeSet.of(cfg)
         if self.progress:
             from tqdm import tqdm
@@ -192,9 +195,8 @@ class Run:
             make_policy=self.make_policy, learner=self.learner, tasks=episodes.tasks, run_dir=self.run_dir,
             resume=self.resume, metrics=self.logger, on_update=self.on_update,
             save_trajectories=cfg.run.save_trajectories,
-            sleep_samplers_during_update=plan.sleep_samplers_during_update)
-        if cfg.eval.at_start and not self.resume:
-            self.evaluate(self.current_weights_policy(), trainer.step)  # the starting weights
+            sleep_samplers_during_update=plan.sleep_samplers_during_update, placement=self.placement,
+            on_start=self.on_start, on_end=self.on_end)
         try:
             with shared_cpu_threads(cfg.loop.mode == "async" and cfg.loop.backend == "local"
                                     and cfg.model.backend == "hf" and plan.device.startswith("cpu")):
@@ -202,31 +204,39 @@ class Run:
         finally:
             if self.bar is not None:
                 self.bar.close()
-        summary["averaged_updates"] = self._final_weights()
+        summary["averaged_updates"] = self.averaged
+        summary["eval_s"] = sum(e.get("wall_s", 0.0) for e in self.evals)  # what evaluation cost the run
+        self.final_model = self.run_dir / "final_model"
+        self.learner.save_pretrained(self.final_model, source=self.model_path)
+        self.echo(f"model: {self.final_model}  (a Hugging Face model directory: --model {self.final_model})")
+        # asked now: a sharded learner's ranks are Ray actors that ``close`` ends
+        self.learner_placement = getattr(self.learner, "placement", lambda: None)()
+        self.learner_components = self.learner.components()
         return summary
 
-    def _final_weights(self) -> int:
-        """The tail average swapped in (not after Ctrl-C), evaluated at the end unless just measured, saved as
-        ``RUN/final_model``. Returns how many updates the average covers."""
-        cfg, learner, trainer = self.cfg, self.learner, self.trainer
-        averaged = 0 if trainer.interrupted else learner.use_average()  # an unfinished run keeps its last weights
-        weights = None
+    def on_start(self) -> None:
+        """The samplers hold the first weights: evaluate the starting weights (kept for later evaluations)."""
+        if self.cfg.eval.at_start and not self.resume:
+            self.evaluate(self.current_weights_policy(), self.trainer.step)
+
+    def on_end(self) -> None:
+        """The loop finished (not Ctrl-C, which means "stop now": save, do not evaluate) with the samplers still
+        up: swap in the tail average and evaluate it, unless ``eval.every`` just measured these weights."""
+        cfg, trainer = self.cfg, self.trainer
+        self.averaged = averaged = self.learner.use_average()
         if averaged > 1:
-            weights = f"mean of the weights after updates {trainer.step - averaged + 1}-{trainer.step}"
-            self.echo(f"final weights: the {weights} (algo.average_last_updates={cfg.algo.average_last_updates})")
-        # Ctrl-C means "stop now": save, do not evaluate; weights that eval.every just measured are not run again
-        measured = bool(self.evals) and self.evals[-1]["update"] == trainer.step and not weights
-        if cfg.eval.at_end and not trainer.interrupted and not measured:
-            self.evaluate(self.current_weights_policy(), trainer.step, weights)
-        self.final_model = self.run_dir / "final_model"
-        learner.save_pretrained(self.final_model, source=self.model_path)
-        self.echo(f"model: {self.final_model}  (a Hugging Face model directory: --model {self.final_model})")
-        return averaged
+            self.final_weights = f"mean of the weights after updates {trainer.step - averaged + 1}-{trainer.step}"
+            self.echo(f"final weights: the {self.final_weights} "
+                      f"(algo.average_last_updates={cfg.algo.average_last_updates})")
+        measured = bool(self.evals) and self.evals[-1]["update"] == trainer.step and not self.final_weights
+        if cfg.eval.at_end and not measured:
+            self.evaluate(self.current_weights_policy(), trainer.step, self.final_weights)
 
     def close(self) -> None:
-        _close(self.eval_policy)
         if self.learner is not None:
             self.learner.close()
+        if self.placement is not None:
+            self.placement.close()
 
     def finish(self, summary: dict) -> RunResult:
         """``RUN/summary.json`` (the whole run's step counts, a resumed run's included), the plot."""
@@ -238,7 +248,9 @@ class Run:
         summary["wall_s"] = time.perf_counter() - self.t_start
         summary.update(step_counts(read_metrics(run_dir)))
         summary["no_learning_warning"] = logger.stall.warned
-        components = {**trainer.components, "learner": self.learner.components()}
+        components = {**trainer.components, "learner": self.learner_components}
+        if "placement" in components:  # where Ray put the learner ranks (None: the learner ran in this process)
+            components["placement"] = {"learner": self.learner_placement or [], **components["placement"]}
         (run_dir / "summary.json").write_text(json.dumps({"summary": summary, "components": components,
                                                           "evals": self.evals, "final_model": str(self.final_model)},
                                                          indent=2, default=str))
@@ -269,10 +281,16 @@ def shared_cpu_threads(shared: bool):
         torch.set_num_threads(threads)
 
 
-def _close(policy) -> None:
-    close = getattr(policy, "close", None)
-    if callable(close):
-        close()
+class OnRolloutSamplers:
+    """An evaluation "policy" that plays on the run's rollout samplers (:meth:`Trainer.play`), not a new engine."""
+
+    backend = "rollout samplers"
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def play_episodes(self, make_env, tasks: list, rollout) -> list:
+        return self.trainer.play(make_env, tasks, rollout)
 
 
 def _check_truncated_sampling(cfg: RunConfig, model_path: str, device: str) -> None:

@@ -23,8 +23,8 @@
   request with its own ``seed`` (evaluation) is given that seed.
 * Weights: :meth:`load_weights` pushes a (possibly partial) HF-named state dict through vLLM's in-place reload path
   (the worker's ``reload_weights``, called through ``collective_rpc``; on CPU followed by a re-pack of the GEMM
-  handles vLLM 0.32 leaves stale, see :func:`.vllm_support._reload_on_worker`), drops the prefix cache (its KV blocks were computed
-  by the old weights) and bumps ``policy_version``. It holds the same lock as :meth:`generate`, so a
+  handles vLLM 0.32 leaves stale, see :func:`.vllm_support._reload_on_worker`), drops the prefix cache (its KV
+  blocks were computed by the old weights) and bumps ``policy_version``. It holds the same lock as :meth:`generate`, so a
   generation never mixes two weight versions, and ``policy_version`` changes only after the engine holds every new
   tensor. Names and shapes are checked against the checkpoint's safetensors headers BEFORE the engine is touched, so
   a wrong state dict (another model, a typo) fails with the engine still on its old weights; a failure inside the
