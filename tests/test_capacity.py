@@ -22,19 +22,19 @@ def test_parameter_counts_match_the_published_sizes():
 
 def test_the_paper_preset_fits_a_declared_8_gpu_node():
     plan = _plan("launch.ray_num_gpus=8", "launch.gpu_memory_gb=80")
-    p = plan["placement"]
+    p = plan.placement
     assert p["cluster"] == {"gpus": 8, "gpu_memory_gb": 80, "cpus": 8, "source": "declared"}
     assert p["learner"] == {"ranks": 4, "gpus_per_rank": 1, "where": "ray actors"}
     assert p["engines"] == {"count": 4, "gpus_each": 1} and p["gpus_needed"] == 8 and not p["colocated"]
-    bad = [c for c in plan["checks"] if not c["ok"]]
-    assert all(c["what"] not in ("gpus", "gpu placement", "cpus") and not c["what"].startswith("gpu memory")
+    bad = [c for c in plan.checks if not c.ok]
+    assert all(c.what not in ("gpus", "gpu placement", "cpus") and not c.what.startswith("gpu memory")
                for c in bad), bad  # only the absent weights remain
 
 
 def test_colocated_7b_on_one_80gb_gpu_is_refused_with_the_arithmetic():
     plan = _plan("launch.ray_num_gpus=1", "launch.gpus=1", "launch.learner_world_size=1", "launch.vllm_engines=1",
                  "launch.gpu_memory_gb=80")
-    assert plan["placement"]["colocated"]
+    assert plan.placement["colocated"]
     [msg] = [p for p in problems(plan) if p.startswith("gpu memory")]
     assert "30.5 GB fp32 master + 60.9 GB AdamW + 30.5 GB grads + 15.2 GB bfloat16 copy" in msg
     peak = float(re.search(r"peak ([\d.]+) GB", msg).group(1))

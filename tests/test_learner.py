@@ -454,7 +454,7 @@ def test_bf16_model_keeps_float32_master_weights_that_learn_at_the_papers_lr(bas
     assert all(v.dtype == torch.bfloat16 for v in learner.export_weights().values())  # samplers get the compute dtype
 
 
-def test_save_pretrained_writes_a_loadable_float32_model_with_its_tokenizer(tmp_path):
+def test_save_pretrained_writes_a_loadable_model_in_the_asked_dtype_with_its_tokenizer(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentenv.samplers.tiny import materialize_tiny
@@ -472,6 +472,13 @@ def test_save_pretrained_writes_a_loadable_float32_model_with_its_tokenizer(tmp_
     assert all(v.dtype == torch.float32 for v in state.values())
     assert all(torch.equal(state[k], v) for k, v in learner.model.state_dict().items())
     assert any(not torch.equal(state[k], start[k]) for k in start)  # differs from the starting model
+    # a run saves in model.save_dtype (default the compute dtype): bf16 halves the directory and rounds each weight
+    learner.save_pretrained(tmp_path / "bf16", source=src, dtype="bfloat16")
+    half = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", local_files_only=True, dtype="auto")
+    assert half.config.dtype == torch.bfloat16 and all(v.dtype == torch.bfloat16 for v in half.state_dict().values())
+    assert all(torch.equal(half.state_dict()[k], v.to(torch.bfloat16)) for k, v in learner.model.state_dict().items())
+    size = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
+    assert size(tmp_path / "bf16") < 0.6 * size(tmp_path / "final_model")
 
 
 def test_lag_is_measured_against_the_weights_the_gradient_was_computed_at(base):

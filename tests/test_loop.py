@@ -170,6 +170,20 @@ def test_async_runs_updates_measures_lag_and_writes_logs(tiny, tmp_path):
     assert (tmp_path / "checkpoints" / "latest").exists()
 
 
+def test_keep_checkpoints_prunes_the_oldest_and_resume_uses_the_newest(tiny, tmp_path):
+    from agentenv.trainer import loop_state
+
+    learner = make_learner(tiny)
+    run(cfg(total_updates=5, checkpoint_every=1, keep_checkpoints=2), tiny, learner, run_dir=tmp_path)
+    ckpts = tmp_path / "checkpoints"
+    # a checkpoint per update and one at shutdown (the same step 5, rewritten): the newest two remain
+    assert sorted(p.name for p in ckpts.glob("step_*.pt")) == ["step_000004.pt", "step_000005.pt"]
+    path, state = loop_state.load_latest(tmp_path)
+    assert path.name == "step_000005.pt" and state["loop"]["step"] == 5
+    # the newest is never pruned, whatever keep says
+    assert loop_state.prune(tmp_path, 1) == [ckpts / "step_000004.pt"] and loop_state.latest(tmp_path) == path
+
+
 class SlowReset(gym.Wrapper):
     """reset() takes 0.5 s, so an episode spends its life in flight rather than in the completion queue: an episode
     that finished just before the kill (its result already sent, not yet polled) would be counted in flight by the

@@ -134,8 +134,8 @@ class ShardedLearner:
         n, self.policy_version = self._call("use_average")
         return n
 
-    def save_pretrained(self, out_dir, source: str | None = None) -> None:
-        self._call("save_pretrained", str(out_dir), source or self.model_path)
+    def save_pretrained(self, out_dir, source: str | None = None, dtype: str = "float32") -> None:
+        self._call("save_pretrained", str(out_dir), source or self.model_path, dtype)
 
     def close(self) -> None:
         procs, self._procs = self._procs, []

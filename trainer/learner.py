@@ -346,14 +346,14 @@ class Learner:
         for name, p in self.model.named_parameters():
             yield name, p.detach()
 
-    def save_pretrained(self, out_dir, source: str | None = None) -> None:
-        """A Hugging Face model directory in float32 master precision (+ the tokenizer found at ``source``).
-        Sharded: a collective; rank 0 writes."""
+    def save_pretrained(self, out_dir, source: str | None = None, dtype: str = "float32") -> None:
+        """A Hugging Face model directory in ``dtype`` (+ the tokenizer found at ``source``); the cast happens per
+        tensor as it is gathered. Sharded: a collective; rank 0 writes."""
         from .model_io import save_pretrained
 
-        state = self.export_weights(dtype=torch.float32)
+        state = self.export_weights(dtype=getattr(torch, dtype))
         if self.rank_world[0] == 0:
-            save_pretrained(self.model, state, out_dir, source=source)
+            save_pretrained(self.model, state, out_dir, source=source, dtype=getattr(torch, dtype))
 
     # --- checkpointing --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -294,7 +294,8 @@ class Trainer:
 
     def save_checkpoint(self, state: dict | None = None) -> Path:
         return loop_state.save(self.run_dir, self.step, {"learner": self.learner.state_dict(),
-                                                         "loop": state or self.loop_state()})
+                                                         "loop": state or self.loop_state()},
+                               keep=self.cfg.keep_checkpoints)
 
     def _rows(self) -> dict:
         d = self.run_dir

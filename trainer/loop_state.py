@@ -1,7 +1,7 @@
 """Loop checkpoints: save, find, resume, and reconcile the run's JSONL files with the checkpoint a run resumes from.
 
 Layout under ``RUN/checkpoints/``: ``step_NNNNNN.pt`` (``{"learner": ..., "loop": ...}``, written atomically by
-:func:`agentenv.trainer.checkpoint.atomic_save`) and ``latest`` (the name of the newest complete one, replaced
+:func:`agentenv.trainer.checkpoint.atomic_save`; the newest ``loop.keep_checkpoints`` kept) and ``latest`` (the name of the newest complete one, replaced
 atomically after the file is durable). A crash at any moment leaves the previous ``latest`` valid; the temporary
 files such a crash can leave (``.step_*.pt.*.tmp``, ``.latest.tmp``) are removed by :func:`remove_stale_tmp` when a
 run starts in that directory.
@@ -28,14 +28,30 @@ def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save(run_dir: str | os.PathLike, step: int, payload: dict) -> Path:
+def save(run_dir: str | os.PathLike, step: int, payload: dict, keep: int | None = None) -> Path:
     d = checkpoint_dir(run_dir)
     path = ckpt.atomic_save(payload, d / f"step_{step:06d}.pt")
     tmp = d / ".latest.tmp"
     tmp.write_text(path.name)
     os.replace(tmp, d / "latest")
     log.info("checkpoint step=%d path=%s", step, path)
+    if keep:
+        prune(run_dir, keep)
     return path
+
+
+def prune(run_dir: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` ``step_*.pt`` (``loop.keep_checkpoints``); ``latest``'s is never one of
+    them: it is the newest, and pruning runs only after ``latest`` names it."""
+    d = checkpoint_dir(run_dir)
+    current = latest(run_dir)
+    steps = sorted(d.glob("step_*.pt"), key=lambda p: p.name)  # zero-padded: name order is step order
+    gone = [p for p in steps[:-keep] if p != current]
+    for p in gone:
+        p.unlink(missing_ok=True)
+    if gone:
+        log.info("pruned %d old checkpoint(s), kept %d (loop.keep_checkpoints)", len(gone), keep)
+    return gone
 
 
 def latest(run_dir: str | os.PathLike) -> Path | None:

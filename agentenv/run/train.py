@@ -16,8 +16,9 @@ Contract of :func:`run(cfg)` (a :class:`Run`: ``prepare`` is 1-2, ``train`` 3-5,
 5. ``algo.average_last_updates`` = N > 0: when the loop finishes (not on Ctrl-C), the learner's weights become the
    mean of its weights after each of the last N updates (:meth:`Learner.use_average`); the final evaluation (its
    records carry ``weights``) and ``RUN/final_model`` are of that mean, checkpoints of the weights rollouts used.
-   The trained policy is saved as a Hugging Face model directory: ``RUN/final_model`` and, at
-   ``loop.checkpoint_every``, ``RUN/checkpoints/step_N/model``. ``RUN/summary.json`` records the loop's summary,
+   The trained policy is saved as a Hugging Face model directory in ``model.save_dtype`` (default the compute
+   dtype): ``RUN/final_model`` and, at ``loop.checkpoint_every``, ``RUN/checkpoints/step_N/model`` (the newest
+   ``loop.keep_checkpoints`` kept). ``RUN/summary.json`` records the loop's summary,
    the evaluations and ``components``: what actually started (it equals the plan's).
 6. ``resume=True`` continues ``RUN`` from its latest checkpoint (``agentenv run --resume RUN``).
 Ctrl-C: the loop finishes the update in flight, checkpoints and shuts down; the end-of-run outputs still appear.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -128,6 +130,7 @@ class Run:
                                     config=cfg.to_dict(), echo=self.echo,
                                     no_learning_updates=cfg.run.no_learning_updates)
         self.make_policy = policy_factory(cfg, self.model_path, plan)
+        self.save_dtype = cfg.model.save_dtype or plan.components.learner.compute_dtype
 
     def evaluate(self, policy, step: int, weights: str | None = None) -> None:
         from agentenv.run.evaluation import evaluate
@@ -168,7 +171,8 @@ class Run:
             self.evaluate(self.current_weights_policy(), step)
         if cfg.loop.checkpoint_every and step % cfg.loop.checkpoint_every == 0:
             self.learner.save_pretrained(self.run_dir / "checkpoints" / f"step_{step}" / "model",
-                                         source=self.model_path)
+                                         source=self.model_path, dtype=self.save_dtype)
+            prune_model_dirs(self.run_dir / "checkpoints", cfg.loop.keep_checkpoints)
 
     def train(self) -> dict:
         """The gate's lag-0 check, the learner the plan names, the loop; then the final weights, evaluated and
@@ -207,7 +211,7 @@ class Run:
         summary["averaged_updates"] = self.averaged
         summary["eval_s"] = sum(e.get("wall_s", 0.0) for e in self.evals)  # what evaluation cost the run
         self.final_model = self.run_dir / "final_model"
-        self.learner.save_pretrained(self.final_model, source=self.model_path)
+        self.learner.save_pretrained(self.final_model, source=self.model_path, dtype=self.save_dtype)
         self.echo(f"model: {self.final_model}  (a Hugging Face model directory: --model {self.final_model})")
         # asked now: a sharded learner's ranks are Ray actors that ``close`` ends
         self.learner_placement = getattr(self.learner, "placement", lambda: None)()
@@ -279,6 +283,16 @@ def shared_cpu_threads(shared: bool):
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def prune_model_dirs(checkpoints: Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` ``step_N/`` model directories (``loop.keep_checkpoints``)."""
+    dirs = sorted((d for d in checkpoints.glob("step_*") if d.is_dir() and d.name[5:].isdigit()),
+                  key=lambda d: int(d.name[5:]))
+    gone = dirs[:-keep] if keep else []
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return gone
 
 
 class OnRolloutSamplers:
