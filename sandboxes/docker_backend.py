@@ -18,7 +18,9 @@ from the host's interpreter), else ``python:3.11-slim`` (which the engine then p
 
 Code and output travel over one attach socket (Docker multiplexes stdout/stderr in 8-byte-header frames, decoded
 by :func:`demux`). Killing = ``remove(force=True)``, which takes every process in the container with it.
-Containers carry the label ``agentenv.sandbox=1`` so leftovers from a crashed host can be found and removed.
+Containers carry the label ``agentenv.sandbox=1`` and labels naming their host process (pid, its start time, the boot):
+nothing outlives the host (:mod:`.docker_reaper`: a watchdog removes a dead host's containers at once, and the first
+Docker sandbox of every process removes those of any host that is gone).
 A session call ends only when the host proves the runner back at its read through the container's own cgroup (found
 from its init's pid) and ``/proc``, as for bubblewrap (:mod:`.boundary`), freezing the container when anything else
 could run; because the engine relays output with a delay, the host then flushes the streams with an empty cell (see
@@ -29,19 +31,21 @@ frozen and the end-of-cell marker is all there is.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import socket
 import struct
 
-from agentenv.sandboxes import cgroups
+from agentenv.sandboxes import cgroups, docker_reaper
 from agentenv.sandboxes.boundary import CellBoundary, oldest_child
 from agentenv.sandboxes.base import RUNNER_SOURCE, Sandbox, runner_args
 from agentenv.sandboxes.seccomp_filter import docker_profile
 from agentenv.sandboxes.limits import Limits
 
+log = logging.getLogger(__name__)
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
-LABEL = "agentenv.sandbox"
+LABEL = docker_reaper.LABEL
 DEFAULT_IMAGES = ("python:3.11-slim", "agentenv-python:3.11")
 _PROFILE = json.dumps(docker_profile(), separators=(",", ":"))
 
@@ -87,7 +91,7 @@ def container_config(image: str, python: str, mode: str, limits: Limits, cpus: f
         shm_size="1m",  # Docker's default /dev/shm is a 64 MB tmpfs beside /tmp: room for semaphores only
         security_opt=["no-new-privileges", "seccomp=" + _PROFILE], cap_drop=["ALL"], user=user, working_dir="/tmp",
         environment=dict(ENV), ulimits=[Ulimit(name="core", soft=0, hard=0)],
-        log_config=LogConfig(type="none"), labels={LABEL: "1"})
+        log_config=LogConfig(type="none"), labels=docker_reaper.owner_labels())
 
 
 REST_TASKS = 2  # docker's init and the runner: a session with more tasks than this between cells left something
@@ -213,5 +217,6 @@ class DockerSandbox(Sandbox):
         self.python, self.cpus, self.user = python, cpus, user
 
     def _start(self, mode: str, limits: Limits) -> DockerProc:
+        docker_reaper.guard(self.client, log)  # once per process (a fork too): dead hosts' containers go; a watchdog
         return DockerProc(self.client, container_config(self.image, self.python, mode, limits, self.cpus, self.user),
                           session=mode == "session")

@@ -4,7 +4,11 @@ without them."""
 
 import json
 import os
+import signal
 import struct
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -13,6 +17,7 @@ from agentenv.sandboxes import Limits, make_sandbox
 docker = pytest.importorskip("docker", reason="the Docker SDK is not installed (pip install docker)")
 from agentenv.sandboxes.attacks import ATTACKS, LIMITS, Target, judge  # noqa: E402
 from agentenv.sandboxes.docker_backend import LABEL, container_config, default_image, demux  # noqa: E402
+from agentenv.sandboxes.docker_reaper import BOOT, PID, SCOPE, START, owner_gone, owner_labels, start_time  # noqa: E402
 
 
 def _engine_error():
@@ -56,7 +61,7 @@ def test_container_config_is_hardened():
     assert c["nano_cpus"] == 500_000_000 and "size=20m" in c["tmpfs"]["/tmp"] and c["shm_size"] == "1m"
     assert c["environment"]["HOME"] == "/tmp" and "SECRET" not in str(c["environment"])
     assert c["command"][:3] == ["python3", "-S", "-I"] and c["command"][5] == "session-mux"
-    assert c["labels"] == {LABEL: "1"} and c["stdin_open"] and not c["tty"]
+    assert c["labels"] == owner_labels() and c["labels"][LABEL] == "1" and c["stdin_open"] and not c["tty"]
     assert c["init"]  # the runner is not PID 1, which would ignore the kernel's SIGXCPU
 
 
@@ -121,3 +126,95 @@ def test_live_docker_leaves_no_container_behind(live):
     assert r.timed_out
     with pytest.raises(docker.errors.NotFound):
         client.containers.get(cid)
+
+
+# ---- nothing outlives the host: owner labels, the watchdog, the next start's removal ------------------------------
+
+def test_owner_labels_name_a_live_owner_and_a_dead_one_is_provably_gone():
+    me = owner_labels()
+    assert me[PID] == str(os.getpid()) and me[START].isdigit() and me[BOOT]
+    assert not owner_gone(me)  # this very process
+    assert owner_gone({**me, START: str(int(me[START]) + 1)})  # the pid recycled: another process holds it
+    assert owner_gone({**me, BOOT: "another-boot"})
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert owner_gone({**me, PID: done.stdout.strip()})  # exited (or its pid recycled since: a later start time)
+    assert not owner_gone({**me, PID: done.stdout.strip(), SCOPE: "elsewhere/pid:[1]"})  # not ours to judge
+    assert not owner_gone({LABEL: "1"})  # no owner named: left alone
+
+
+HOST = """
+import time
+from agentenv.sandboxes import Limits, make_sandbox
+from agentenv.sandboxes import docker_reaper
+s = make_sandbox("docker", limits=Limits(timeout_s=60)).session()
+s.run("x = 1")
+print(s._proc.container.id, docker_reaper._watchdog.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _gone(client, cid: str, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            client.containers.get(cid)
+        except docker.errors.NotFound:
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.2)
+
+
+@pytest.mark.docker
+def test_live_docker_watchdog_removes_a_sigkilled_hosts_container(live):
+    client = docker.from_env(timeout=60)
+    host = subprocess.Popen([sys.executable, "-c", HOST], stdout=subprocess.PIPE, text=True)
+    try:
+        cid, watchdog = host.stdout.readline().split()
+        assert client.containers.get(cid).status == "running"
+        host.send_signal(signal.SIGKILL)
+        host.wait()
+        assert _gone(client, cid, timeout=60), f"container {cid[:12]} outlived its SIGKILLed host"
+        assert _exits(int(watchdog)), "the watchdog outlived its work"
+    finally:
+        host.kill()
+        host.wait()
+        try:
+            client.api.remove_container(cid, force=True)
+        except Exception:  # noqa: BLE001 - removed, as it should be (or never created)
+            pass
+
+
+def _exits(pid: int, timeout: float = 10) -> bool:
+    end = time.monotonic() + timeout
+    while start_time(pid) is not None and time.monotonic() < end:
+        time.sleep(0.1)
+    return start_time(pid) is None
+
+
+@pytest.mark.docker
+def test_live_docker_next_start_removes_dead_hosts_containers_and_keeps_live_ones(live):
+    client = docker.from_env(timeout=60)
+    me = owner_labels()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owners = {"exited": {**me, PID: dead.stdout.strip()}, "recycled": {**me, START: str(int(me[START]) + 1)},
+              "rebooted": {**me, BOOT: "another-boot"}, "live": me,
+              "elsewhere": {**me, PID: dead.stdout.strip(), SCOPE: "elsewhere/pid:[1]"}}
+    made = {k: client.containers.create(default_image(client), ["python3", "-c", "pass"], labels=v,
+                                        network_mode="none").id for k, v in owners.items()}
+    try:
+        nxt = subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig()\n"
+                              "from agentenv.sandboxes import make_sandbox\n"
+                              "print(make_sandbox('docker').run('print(1)').stdout)"],
+                             capture_output=True, text=True, timeout=120)
+        assert nxt.stdout.strip() == "1", nxt.stderr
+        left = {k for k, cid in made.items() if not _gone(client, cid, 0)}
+        assert left == {"live", "elsewhere"}, nxt.stderr
+        assert "left by dead host processes" in nxt.stderr
+        assert all(made[k][:12] in nxt.stderr for k in ("exited", "recycled", "rebooted")), nxt.stderr
+    finally:
+        for cid in made.values():
+            try:
+                client.api.remove_container(cid, force=True)
+            except Exception:  # noqa: BLE001 - already removed by the start under test
+                pass
