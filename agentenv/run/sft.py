@@ -19,6 +19,8 @@ Contract:
   admissible commands turn after turn -- teach it to copy, which picking a listed command needs). Computed with the
   trainer's chunked log-probs, so no ``[tokens x vocab]`` tensor is ever materialised.
 * ``only_successful`` (default True) keeps demos with ``success`` -- imitation of failures teaches failure.
+* Device: SFT trains where the model is; ``agentenv sft`` and a run's warm start put it on the GPU when there is one
+  (:func:`sft_device`), with float32 weights and a bf16 autocast forward there, as the learner does.
 * Output: a transformers checkpoint directory (model + tokenizer) that ``--model DIR`` loads anywhere in agentenv.
 """
 
@@ -143,14 +145,33 @@ def _row_nll(model, batch, context_loss_weight: float = 0.0) -> tuple[torch.Tens
     the first; zeros when ``context_loss_weight`` is 0, which skips computing them)."""
     from agentenv.trainer.logprobs import token_log_probs
 
+    batch = batch.to(_device(model))
     if not context_loss_weight:
-        logp, _ = token_log_probs(model, batch.input_ids, batch.attention_mask, batch.action_mask)
+        with _autocast(model):
+            logp, _ = token_log_probs(model, batch.input_ids, batch.attention_mask, batch.action_mask)
         return -(logp * batch.action_mask).sum(1), batch.action_mask.sum(1), torch.zeros(len(batch))
     predicted = batch.attention_mask.clone()
     predicted[:, 0] = False
-    logp, _ = token_log_probs(model, batch.input_ids, batch.attention_mask, predicted)
+    with _autocast(model):
+        logp, _ = token_log_probs(model, batch.input_ids, batch.attention_mask, predicted)
     context = predicted & ~batch.action_mask
     return -(logp * batch.action_mask).sum(1), batch.action_mask.sum(1), -(logp * context).sum(1)
+
+
+def sft_device(requested: str | None = None) -> str:
+    """Where SFT trains: ``model.device`` when set, else the GPU when there is one (SFT of a GPU-sized model on the
+    host would take hours), else the CPU."""
+    return requested or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _autocast(model):
+    """On a GPU the forward runs in bf16 autocast over the float32 weights (the learner's own precision split)."""
+    device = _device(model)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 def split_heldout(demos: Sequence[Trajectory], n: int, seed: int = 0) -> tuple[list, list]:
@@ -186,7 +207,9 @@ def demo_nll(model, demos: Sequence[Trajectory], *, max_tokens: int = 8192) -> d
     try:
         pad = getattr(model.config, "pad_token_id", None) or 0
         for rows, mb in microbatches(collate(list(demos), pad_token_id=pad), max_tokens):
-            logp, _ = token_log_probs(model, mb.input_ids, mb.attention_mask, mb.action_mask)
+            mb = mb.to(_device(model))
+            with _autocast(model):
+                logp, _ = token_log_probs(model, mb.input_ids, mb.attention_mask, mb.action_mask)
             for r, i in enumerate(rows):
                 mask = mb.action_mask[r]
                 nll = -logp[r][mask]
@@ -344,4 +367,4 @@ def load_model_and_tokenizer(name: str):
     rm = resolve_model(name)
     tok = AutoTokenizer.from_pretrained(rm.path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(rm.path, local_files_only=True, dtype=torch.float32)
-    return model, tok, rm
+    return model.to(sft_device()), tok, rm

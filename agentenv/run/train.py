@@ -341,11 +341,13 @@ def warm_start(cfg: RunConfig, model_path: str, out: Path, *, progress: bool = T
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentenv.run import demo
-    from agentenv.run.sft import SFTConfig, demos_path, prepare_demos, save_checkpoint_dir, split_heldout, train_sft
+    from agentenv.run.sft import (SFTConfig, demos_path, prepare_demos, save_checkpoint_dir, sft_device,
+                                  split_heldout, train_sft)
     from agentenv.core.trajectory import iter_jsonl
 
     tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=torch.float32)
+    model.to(sft_device(cfg.model.device))
     s = cfg.sft
     if s.demos == "scripted":
         demos = demo.demo_trajectories(tok, s.num_demos, s.tool_fraction, seed=cfg.loop.seed + 1)
