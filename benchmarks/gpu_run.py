@@ -1,7 +1,14 @@
 """GPU check: the real ``agentenv run`` colocated on ONE GPU (vLLM sampler + learner) with a Qwen2.5-1.5B-shaped model.
 
-Prepared for a GPU machine; it has not been run from this repository yet (no GPU was available when it was written):
+Prepared for a GPU machine; it has not been run from this repository yet (no GPU has been lent to this project):
 its figures belong in ``docs/gpu_results.md``, dated, with the device, once it has run.
+
+It measures something real only if the weights really change and the distributions are peaked as a trained model's
+are: a random model earns no reward (so no optimizer step is taken and every "sync" ships the same weights) and its
+near-uniform distributions make any bf16 mismatch look small. So each run starts with the run's own SFT warm start
+(on the GPU): scripted demos of the CPU demo's multiplication task (Python tool) and the ALFWorld expert's plays.
+The report then says whether rewards were earned, how many optimizer steps were taken and whether the saved fp32
+weights differ from the warm start's.
 
 What it does:
 
@@ -9,19 +16,22 @@ What it does:
    12 query / 2 KV heads, MLP 8960, vocabulary 151,936, tied embeddings; no weights are downloaded) and the
    Qwen2.5 tokenizer from :mod:`agentenv.samplers.tiny`, saved in bfloat16 to a temporary directory.
 2. Runs ``agentenv run`` (a subprocess, the CLI a user runs) on ALFWorld (the shipped sample's train split unless
-   ``$ALFWORLD_DATA`` points at the full games) and on the Python-tool task, ``--updates`` updates each, with
-   ``model.backend=vllm``, the local loop backend, ``launch.vllm_gpu_memory_utilization`` / ``launch.vllm_sleep``
-   (colocated), bf16 compute.
+   ``$ALFWORLD_DATA`` points at the full games) and on the Python-tool task, an SFT warm start then ``--updates``
+   RL updates each, with ``model.backend=vllm``, the local loop backend, ``launch.vllm_gpu_memory_utilization`` /
+   ``launch.vllm_sleep`` (colocated), bf16 compute.
 3. Prints, per run: generation tokens/s (sampled tokens per second of wall time, and per second of wall time outside
-   learner steps and weight syncs), learner step time and MFU (6 N + causal attention FLOPs per trained token over
-   ``time_learner_s``, against the device's dense bf16 peak), weight-sync time (``time_publish_s``), peak GPU
+   learner steps and weight syncs), learner step time and MFU (training FLOPs over the learner's OWN step time,
+   ``learner_time_s``, which excludes vLLM's sleep/wake around it; FLOPs counted for what the learner computes: the
+   decoder on every token, the LM head only on the policy tokens it scores, causal attention; against the device's
+   dense bf16 peak looked up by its exact name: H100 SXM, PCIe and NVL differ), weight-sync time
+   (``time_publish_s``), peak GPU
    memory (``nvidia-smi``/NVML sampled every 0.2 s: it sees vLLM's allocations, which torch's counters do not), and
    the lag-0 training-inference mismatch: for every saved trajectory sampled entirely by version 0 (the saved
    model), the per-trajectory sequence KL between vLLM's mu and the learner's pi (recomputed here exactly as the
    learner does: fp32 weights, bf16 autocast, :func:`agentenv.trainer.logprobs.token_log_probs`,
    :func:`agentenv.trainer.objectives.sequence_kl`), its distribution, and the gate's acceptance at delta = 1e-3; also
    the same with an fp32 learner forward (which side the mismatch comes from), and update 1's logged
-   ``acceptance_rate`` / ``seq_kl_mean``.
+   ``acceptance_rate`` / ``seq_kl_mean``; version 0 is the SFT model, so the distributions are peaked.
    Targets (issue 11): MFU >= 35%, weight sync <= 2 s, lag-0 acceptance >= 99% in bf16.
 
 Exit status: 2 with a message when there is no CUDA device or no vLLM; 1 when a run failed; else 0.
@@ -46,26 +56,36 @@ from pathlib import Path
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,
                   rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu")
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device-name substring; --peak-tflops overrides.
-PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0, "L40S": 362.1,
-               "L40": 181.0, "A6000": 154.8, "4090": 165.2, "A10": 125.0}
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), matched in this order against torch's device name (e.g.
+# "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA H100 PCIe" and "NVIDIA H100 NVL" are not); --peak-tflops overrides.
+PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H800 PCIe", 756.0), ("GH200", 989.4), ("H200", 989.4),
+               ("H100", 989.4), ("H800", 989.4), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1), ("L40", 181.0),
+               ("A6000", 154.8), ("4090", 165.2), ("A10", 125.0)]
+
+
+def peak_tflops(device_name: str) -> float | None:
+    return next((v for k, v in PEAK_TFLOPS if k in device_name), None)
 DELTA = 1e-3
 
-# Both runs: colocated (one engine, one learner, one GPU), bf16 compute, no evaluation, no checkpoints.
-COMMON = ["model.backend=vllm", "model.dtype=bfloat16", "model.gradient_checkpointing=true", "loop.backend=local",
-          "loop.queue_size=1", "loop.checkpoint_every=0", "eval.every=0", "eval.at_start=false", "eval.at_end=false",
-          "sft.enabled=false", "run.plot=false", "run.tensorboard=false", "launch.gpus=1", "launch.learner_world_size=1",
-          "launch.vllm_engines=1", "launch.vllm_tensor_parallel=1", "algo.lr=1e-6", "rollout.temperature=1.0",
-          "rollout.top_p=1.0", "rollout.top_k=0"]
+# Both runs: colocated (one engine, one learner, one GPU), bf16 compute, an SFT warm start, no evaluation, no
+# checkpoints; final_model in fp32 so the report can tell a real weight change from bf16 rounding.
+COMMON = ["model.backend=vllm", "model.dtype=bfloat16", "model.gradient_checkpointing=true", "model.save_dtype=float32",
+          "loop.backend=local", "loop.queue_size=1", "loop.checkpoint_every=0", "eval.every=0", "eval.at_start=false",
+          "eval.at_end=false", "sft.enabled=true", "sft.heldout_demos=32", "run.plot=false", "run.tensorboard=false",
+          "launch.gpus=1", "launch.learner_world_size=1", "launch.vllm_engines=1", "launch.vllm_tensor_parallel=1",
+          "algo.lr=1e-5", "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0"]
 TASKS = {
     "alfworld": ["--env", "alfworld", "--set", "env.num_tasks=12", "--set", "rollout.max_turns=10",
                  "--set", "rollout.max_new_tokens=128", "--set", "rollout.max_total_tokens=4096",
                  "--set", "rollout.max_generated_tokens=1280", "--set", "loop.batch_size=16",
-                 "--set", "loop.num_workers=1", "--set", "loop.concurrency=16"],
-    "python": ["--env", "python", "--set", "env.num_tasks=256", "--set", "env.kwargs.num_tasks=256",
-               "--set", "rollout.max_turns=4", "--set", "rollout.max_new_tokens=256",
-               "--set", "rollout.max_total_tokens=4096", "--set", "rollout.max_generated_tokens=1024",
-               "--set", "loop.batch_size=32", "--set", "loop.num_workers=1", "--set", "loop.concurrency=32"],
+                 "--set", "loop.num_workers=1", "--set", "loop.concurrency=16",
+                 "--set", "sft.demos=expert", "--set", "sft.num_demos=96"],
+    # the CPU demo's task (6-digit products: the tool is needed), its scripted demos, a GPU-sized context
+    "python": ["--env", "python", "--set", "env.tasks=demo", "--set", "env.num_tasks=512",
+               "--set", "rollout.max_turns=3", "--set", "rollout.max_new_tokens=64",
+               "--set", "rollout.max_total_tokens=1024", "--set", "loop.batch_size=32",
+               "--set", "loop.num_workers=1", "--set", "loop.concurrency=32",
+               "--set", "sft.demos=scripted", "--set", "sft.tool_fraction=0.5"],
 }
 
 
@@ -157,7 +177,9 @@ def agentenv_cmd() -> list[str]:
 
 
 def run_task(task: str, model: Path, run_dir: Path, args) -> tuple[int, float]:
-    overrides = [*COMMON, f"loop.total_updates={args.updates}",
+    overrides = [*COMMON, f"loop.total_updates={args.updates}", f"sft.epochs={args.sft_epochs}",
+                 f"sft.lr={args.sft_lr}", f"sft.batch_size={args.sft_batch_size}",
+                 *([f"sft.num_demos={args.sft_demos}"] if task == "python" else []),
                  f"launch.vllm_gpu_memory_utilization={args.gpu_memory_utilization}",
                  f"launch.vllm_sleep={'true' if args.sleep else 'false'}"]
     if task == "python" and shutil.which("bwrap") is None:
@@ -186,11 +208,16 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def model_flops_per_token(cfg: dict, n_params: int, mean_len: float) -> float:
-    """Training FLOPs per token: 6 N (forward + backward matmuls) + causal attention 6 L d_attn T_mean (half of the
-    full 12 L d T); checkpoint recomputation is not counted (MFU, not hardware FLOPs utilisation)."""
-    d_attn = cfg["num_attention_heads"] * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    return 6 * n_params + 6 * cfg["num_hidden_layers"] * d_attn * mean_len
+def training_flops(cfg: dict, n_params: int, tokens: float, scored: float, mean_len: float) -> float:
+    """One update's training FLOPs (forward + backward = 3x the forward's 2 per weight): the decoder's weights on
+    every token (``n_params`` less the embedding table, which is a lookup, and the LM head), causal attention
+    6 L d_attn T_mean per token (half of the full 12 L d T), and the LM head (d x V) only on the ``scored`` policy
+    tokens, which is all the learner's chunked log-prob computes it for. Checkpoint recomputation is not counted
+    (MFU, not hardware FLOPs utilisation)."""
+    d, v = cfg["hidden_size"], cfg["vocab_size"]
+    d_attn = cfg["num_attention_heads"] * (cfg.get("head_dim") or d // cfg["num_attention_heads"])
+    body = n_params - d * v * (1 if cfg.get("tie_word_embeddings") else 2)
+    return tokens * (6 * body + 6 * cfg["num_hidden_layers"] * d_attn * mean_len) + scored * 6 * d * v
 
 
 def quantiles(xs: list[float]) -> str:
@@ -233,6 +260,29 @@ def lag0_kl(run_dir: Path, model_path: str, device: str, autocast: bool, limit: 
     return out
 
 
+def learning(run_dir: Path, ups: list[dict], start: str) -> dict:
+    """Did the check train anything: rewards earned, optimizer steps taken, fp32 weights moved from the start."""
+    import torch
+    from safetensors.torch import load_file
+
+    stepped = sum(1 - int(m.get("optimizer_step_skipped", 0)) for m in ups)
+    success = [m.get("success_rate", 0.0) for m in ups]
+    moved = None
+    final = sorted((run_dir / "final_model").glob("*.safetensors"))
+    first = sorted(Path(start).glob("*.safetensors"))
+    if final and first:
+        a = {k: v for f in final for k, v in load_file(f).items()}
+        b = {k: v for f in first for k, v in load_file(f).items()}
+        moved = sum(not torch.equal(a[k].float(), b[k].float()) for k in a if k in b)
+    shown = success if len(success) <= 8 else success[:4] + success[-4:]
+    print(f"learning: success rate per update {', '.join(f'{s:.2f}' for s in shown)}"
+          f"{' (first and last 4)' if len(success) > 8 else ''}; {stepped} of {len(ups)} "
+          f"updates took an optimizer step; {moved if moved is not None else '?'} tensors of final_model differ "
+          f"from the warm start" + ("" if stepped and moved else
+                                    " -- NOTHING WAS LEARNED: the figures below do not measure real updates"))
+    return {"optimizer_steps": stepped, "tensors_moved": moved, "success": success}
+
+
 def report(task: str, run_dir: Path, model_path: str, device: str, peak_tflops: float | None,
            peak_mem_mib: float | None) -> dict:
     ups = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("event") not in ("eval", "shutdown")
@@ -258,8 +308,10 @@ def report(task: str, run_dir: Path, model_path: str, device: str, peak_tflops: 
         res.update(gen_tok_s=sampled / wall, gen_tok_s_awake=sampled / awake)
         print(f"generation: {sampled:.0f} sampled tokens, {res['gen_tok_s']:.0f} tok/s of wall time, "
               f"{res['gen_tok_s_awake']:.0f} tok/s outside learner steps and weight syncs")
-    steps = [m["time_learner_s"] for m in ups if "time_learner_s" in m]
-    print(f"learner step: mean {sum(steps) / len(steps):.2f}s, max {max(steps):.2f}s")
+    steps = [m.get("learner_time_s") or m["time_learner_s"] for m in ups if "time_learner_s" in m]
+    print(f"learner step: mean {sum(steps) / len(steps):.2f}s, max {max(steps):.2f}s (its own step, "
+          f"{sum(m['time_learner_s'] for m in ups) / len(ups):.2f}s mean with vLLM's sleep/wake around it)")
+    res.update(learning(run_dir, ups, model_path))
     if peak_tflops and all("tokens" in m for m in ups):
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -270,11 +322,12 @@ def report(task: str, run_dir: Path, model_path: str, device: str, peak_tflops: 
         mfus = []
         for m in ups:
             mean_len = m["tokens"] / max(1, m.get("batch_size", 1))
-            flops = m["tokens"] * model_flops_per_token(cfg, n, mean_len)
-            mfus.append(flops / m["time_learner_s"] / (peak_tflops * 1e12))
+            scored = m.get("policy_tokens_mean", 0.0) * m.get("batch_size", 0)
+            step_s = m.get("learner_time_s") or m["time_learner_s"]  # the learner's own step, no sleep/wake
+            mfus.append(training_flops(cfg, n, m["tokens"], scored, mean_len) / step_s / (peak_tflops * 1e12))
         res["mfu"] = sum(mfus) / len(mfus)
-        print(f"learner MFU: mean {100 * res['mfu']:.1f}% (per update {', '.join(f'{100 * x:.1f}%' for x in mfus)}; "
-              f"peak {peak_tflops} TFLOP/s bf16) -- target >= 35%")
+        print(f"learner MFU: mean {100 * res['mfu']:.1f}% (min {100 * min(mfus):.1f}%, max {100 * max(mfus):.1f}% over "
+              f"{len(mfus)} updates; over learner_time_s; peak {peak_tflops} TFLOP/s bf16) -- target >= 35%")
     pubs = [m["time_publish_s"] for m in ups if "time_publish_s" in m]
     res["sync_s"] = max(pubs) if pubs else None
     print(f"weight sync (time_publish_s): mean {sum(pubs) / len(pubs):.2f}s, max {max(pubs):.2f}s -- target <= 2 s")
@@ -286,7 +339,7 @@ def report(task: str, run_dir: Path, model_path: str, device: str, peak_tflops: 
         print(f"update 1 (lag 0, logged by the learner): acceptance_rate {first.get('acceptance_rate')}, "
               f"seq_kl_mean {first.get('seq_kl_mean')}, seq_kl_max {first.get('seq_kl_max')}")
     for label, autocast in (("bf16 autocast (as the learner)", True), ("fp32 forward", False)):
-        kls = lag0_kl(run_dir, model_path, device, autocast)
+        kls = lag0_kl(run_dir, model_path, device, autocast)  # version 0 = the warm start (peaked)
         if not kls:
             print("lag 0: no trajectory was sampled entirely by version 0")
             break
@@ -304,8 +357,12 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="the vLLM engine's share of the GPU")
     p.add_argument("--no-sleep", dest="sleep", action="store_false",
                    help="keep the engine's memory during learner steps")
-    p.add_argument("--timeout-s", type=int, default=240, help="wall-clock limit per run")
+    p.add_argument("--timeout-s", type=int, default=420, help="wall-clock limit per run (SFT included)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device bf16 dense peak (default: by device name)")
+    p.add_argument("--sft-epochs", type=int, default=2, help="warm-start SFT epochs")
+    p.add_argument("--sft-lr", type=float, default=1e-4, help="warm-start SFT learning rate")
+    p.add_argument("--sft-batch-size", type=int, default=16)
+    p.add_argument("--sft-demos", type=int, default=1600, help="scripted demos for the Python-tool warm start")
     p.add_argument("--workdir", default=None, help="where the model and runs go (default: a temp dir, kept)")
     p.add_argument("--analyze", default=None, metavar="RUN_DIR", help="only print the report for an existing run")
     p.add_argument("--model", default=None, help="with --analyze: the model directory the run started from")
@@ -319,7 +376,7 @@ def main() -> int:
         report(run_dir.name, run_dir, model, "cuda" if torch.cuda.is_available() else "cpu", args.peak_tflops, None)
         return 0
     device_name = preflight()
-    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+    peak = args.peak_tflops or peak_tflops(device_name)
     print(f"device: {device_name}; bf16 peak {peak or 'unknown (pass --peak-tflops)'} TFLOP/s; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="agentenv-gpu-run-"))
@@ -330,7 +387,8 @@ def main() -> int:
         run_dir = work / f"run-{task}"
         rc, peak_mem = run_task(task, model, run_dir, args)
         failed |= rc not in (0, 124)
-        results.append(report(task, run_dir, str(model), "cuda", peak, peak_mem))
+        start = run_dir / "sft_model" if (run_dir / "sft_model" / "config.json").exists() else model
+        results.append(report(task, run_dir, str(start), "cuda", peak, peak_mem))
     print("\nRESULTS " + json.dumps(results))
     return 1 if failed else 0
 
@@ -340,6 +398,8 @@ def _model_of(run_dir: Path) -> str:
 
     from agentenv.samplers.models import resolve_model
 
+    if (run_dir / "sft_model" / "config.json").exists():  # version 0 of the RL run: its warm start
+        return str(run_dir / "sft_model")
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     return resolve_model(cfg["model"]["name"]).path
 
