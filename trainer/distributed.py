@@ -6,16 +6,20 @@ Contract:
 * :func:`make_learner` is what a run calls: ``launch.learner_world_size == 1`` gives an in-process
   :class:`Learner`; ``W > 1`` gives a :class:`ShardedLearner` that spawns W worker processes
   (``torch.multiprocessing``, spawn), each joining a process group (gloo on CPU, NCCL on GPU, rank r on ``cuda:r``)
-  and building ``Learner(model, config, shard=True)``. Both have the same interface: ``update(trajs) -> stats``,
-  ``step``, ``policy_version``, ``export_weights()``, ``state_dict()`` / ``load_state_dict()``, ``save(path)`` /
-  ``load(path)``, ``save_pretrained(dir)``, ``use_average()``, ``components()``, ``close()``.
+  and building ``Learner(model, config, shard=True)`` from a model on the meta device: rank 0 alone loads the
+  weights (on host) and they are broadcast into the shards (:mod:`~agentenv.trainer.sharding`). Both have the same
+  interface: ``update(trajs) -> stats``, ``step``, ``policy_version``, ``export_weights()``, ``save(dir)`` /
+  ``load(dir)`` (a checkpoint directory: each rank writes / reads its own shard, any world size loads it),
+  ``state_dict()`` / ``load_state_dict()`` (in memory, full tensors: gathered to rank 0 and through the driver, so
+  not what checkpoints use), ``save_pretrained(dir)``, ``use_average()``, ``components()``, ``close()``.
 * With a :class:`~agentenv.trainer.placement.Placement` (``loop.backend=ray``) the W ranks are Ray actors instead
   (:class:`RayShardedLearner`, below), each in its own placement bundle, so the learner can span nodes.
 * Every rank receives every command with the same arguments (the whole batch: the rows are split inside
   :meth:`Learner.update`); rank 0's reply is returned. An exception on any rank is raised in the driver with that
   rank's traceback, and the learner stays usable when the error was a refused input (every rank refuses alike).
-* Inside a rank the Learner shards itself with :mod:`agentenv.trainer.sharding` (FSDP2 ``fully_shard``, full-state
-  gathers). A sharded checkpoint resumes a sharded learner of any world size, not a single-process one.
+* Inside a rank the Learner shards itself with :mod:`agentenv.trainer.sharding` (FSDP2 ``fully_shard``, sharded
+  init, full-state gathers for samplers). A checkpoint (:func:`agentenv.trainer.checkpoint.save_learner`) resumes a
+  learner of any world size, a single-process one included.
 """
 
 from __future__ import annotations

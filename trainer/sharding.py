@@ -5,9 +5,15 @@
   the root (it owns the embedding, final norm and LM head, gathered around the chunked log-prob forward). With a bf16
   compute dtype: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; the sharded master weights and
   AdamW state stay float32.
+* Sharded init: a model built on the meta device is sharded first, then :func:`fill_from_rank0` allocates each
+  rank's shards (``to_empty``) and fills them from the weights rank 0 alone loaded (:func:`rank0_weights`),
+  broadcast by DCP's ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``; buffers (not
+  sharded) are broadcast whole. Tied parameters stay one parameter.
+* :func:`rank_rows` / :func:`max_over_ranks`: which rows of a batch a rank trains on, and the most micro-batches
+  any rank runs (so every rank runs as many FSDP collectives).
 * :func:`gather_full_state_dict` / :func:`full_train_state` are collectives: rank 0 gets full CPU state dicts, other
-  ranks ``{}``. A sharded checkpoint's optimizer state is keyed by parameter name (DCP's full state dict): it
-  resumes a sharded learner of any world size, not a single-process one.
+  ranks ``{}`` (weights for samplers; the in-memory ``Learner.state_dict``). Checkpoints never gather: each rank
+  writes its own shard (:func:`agentenv.trainer.checkpoint.save_learner`).
 
 The driver side (spawning the ranks, the object a run talks to) is :mod:`agentenv.trainer.distributed`.
 """
