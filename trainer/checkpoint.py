@@ -46,15 +46,20 @@ def atomic_save(obj, path: str | os.PathLike) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    try:  # make the rename itself durable
-        dfd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)  # make the rename itself durable
+    return path
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make renames into directory ``path`` durable."""
+    try:
+        dfd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
     except OSError:
         pass  # some filesystems do not support fsync on directories
-    return path
 
 
 def save_learner(learner, path: str | os.PathLike) -> Path:

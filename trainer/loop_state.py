@@ -52,6 +52,7 @@ def save(run_dir: str | os.PathLike, step: int, learner, loop: dict, keep: int |
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+        ckpt.fsync_dir(d)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -69,6 +70,7 @@ def _publish_latest(d: Path, name: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, d / "latest")
+    ckpt.fsync_dir(d)
 
 
 def _checkpoints(d: Path) -> list[Path]:
