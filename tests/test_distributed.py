@@ -4,6 +4,10 @@ single-process Learner on the same batch.
 A real small Qwen2 model (untied LM head, so the head is a separate root parameter the chunked path must gather) and
 the real FlashREINFORCE loss with the failure filter and micro-batching on: after one update the gathered weights must
 equal the single-process update's to 1e-6, and the stats (admission mask, loss, grad norm) must match.
+
+Every rank builds the model on the meta device and rank 0's weights are broadcast into the shards; a checkpoint is a
+directory with one shard file per rank, and a learner of another world size (one process here) resumes it: a tied
+model, so the meta init must keep the LM head and the embedding one parameter.
 """
 
 import math
