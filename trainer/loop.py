@@ -11,8 +11,9 @@ Who does what (each a module of its own; this one only connects them):
 * :mod:`.accounting` keeps the books (:class:`~.accounting.Ledger`: every started trajectory ends in exactly one
   bucket) and the one definition of lag.
 * The learner (:mod:`.learner`, anything with ``update / policy_version / export_weights / save / load``; a
-  checkpoint is a directory its ranks write into) takes ONE optimizer step per fresh batch, on a learner thread, so dispatching, timeouts and
-  crash handling go on while it computes; its new weights are published to every sampler (swapped between turns).
+  checkpoint is a directory its ranks write into) takes ONE optimizer step per fresh batch, on a learner thread, so
+  dispatching, timeouts and crash handling go on while it computes; its new weights are published to every sampler
+  (swapped between turns).
 * :func:`agentenv.core.metrics.update_record` builds the one per-update record; the sink
   (:class:`agentenv.core.metrics.MetricsLogger`) writes ``metrics.jsonl`` / TensorBoard / the ``[update N]`` line.
 * Samplers get the learner's newest weights after each update; ``loop.fixed_lag = k`` (a benchmark harness, sync

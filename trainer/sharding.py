@@ -67,7 +67,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def fsdp2_shard(root: torch.nn.Module, model: torch.nn.Module, *, bf16: bool, device: torch.device | None = None,
                 rank0_weights: dict | None = None) -> torch.nn.Module:
     """FSDP2-shard ``root`` (the module whose forward runs the model) in place: each decoder layer, then the root.
-    A ``model`` on the meta device is then materialized on ``device`` and filled from rank 0 (:func:`fill_from_rank0`)."""
+    A ``model`` on the meta device is then materialized on ``device`` and filled from rank 0
+    (:func:`fill_from_rank0`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     meta = next(model.parameters()).is_meta
