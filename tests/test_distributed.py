@@ -4,6 +4,10 @@ single-process Learner on the same batch.
 A real small Qwen2 model (untied LM head, so the head is a separate root parameter the chunked path must gather) and
 the real FlashREINFORCE loss with the failure filter and micro-batching on: after one update the gathered weights must
 equal the single-process update's to 1e-6, and the stats (admission mask, loss, grad norm) must match.
+
+Every rank builds the model on the meta device and rank 0's weights are broadcast into the shards; a checkpoint is a
+directory with one shard file per rank, and a learner of another world size (one process here) resumes it: a tied
+model, so the meta init must keep the LM head and the embedding one parameter.
 """
 
 import math
@@ -131,3 +135,58 @@ def test_bf16_compute_keeps_float32_master_weights_on_the_ranks(model_dir):
         assert any(not torch.equal(full[k], before[k]) for k in before)
     finally:
         sharded.close()
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    """The tiny models' shape of tying: the LM head IS the embedding (one parameter under two names)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True, pad_token_id=0)
+    out = tmp_path_factory.mktemp("tied")
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    return str(out)
+
+
+def test_meta_init_and_a_sharded_checkpoint_resumed_by_one_process(tied_model_dir, tmp_path):
+    import dataclasses
+
+    # the tail average's window (updates 2-3) straddles the checkpoint: its sharded mean must travel too
+    # lr: an update moves the weights by ~1e-4, so AdamW's moments (not loaded: a fresh-moment step) show beyond 1e-6
+    cfg = dataclasses.replace(CONFIG, lr=1e-4, total_steps=3, average_last_updates=2)
+    start = load_learner_model(tied_model_dir).state_dict()
+    sharded = ShardedLearner(cfg, tied_model_dir, 2)
+    try:
+        init = sharded.export_weights()  # ranks built on the meta device, filled from rank 0: the same weights
+        assert set(init) == set(start) and all(torch.equal(init[k], v) for k, v in start.items())
+        for seed in (1, 2):
+            sharded.update(batch_of_trajectories(seed=seed))
+        sharded.save(tmp_path / "ckpt")
+        cont = sharded.update(batch_of_trajectories(seed=3))
+        after = sharded.export_weights()
+        assert sharded.use_average() == 2
+        averaged = sharded.export_weights()
+    finally:
+        sharded.close()
+    # each rank wrote its own shard; no file holds the full model
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                     "state.pt"]
+    assert "model" not in torch.load(tmp_path / "ckpt" / "state.pt", weights_only=True)
+    # one process resumes it (DCP reshards 2 -> 1) and takes the update the sharded learner took next
+    single = Learner(load_learner_model(tied_model_dir), cfg)
+    single.load(tmp_path / "ckpt")
+    assert (single.step, single.policy_version, single.average.count) == (2, 2, 1)
+    ref = single.update(batch_of_trajectories(seed=3))
+    assert ref["admitted"] == cont["admitted"]
+    for key in ("loss", "grad_norm", "seq_kl_mean"):
+        assert cont[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-8), key
+    for k, v in single.model.state_dict().items():
+        torch.testing.assert_close(after[k], v, rtol=0, atol=1e-6, msg=f"{k} differs after the resumed update")
+    assert torch.equal(after["lm_head.weight"], after["model.embed_tokens.weight"])  # still one tied parameter
+    assert not torch.equal(after["lm_head.weight"], start["lm_head.weight"])  # and it moved
+    assert single.use_average() == 2
+    for k, v in single.model.state_dict().items():
+        torch.testing.assert_close(averaged[k], v, rtol=0, atol=1e-6, msg=f"{k}: averaged weights differ")

@@ -195,13 +195,14 @@ def test_failure_filter_in_the_learner(base):
 # --- checkpoint / resume ------------------------------------------------------------------------------------------
 
 
-def test_resume_gives_the_same_next_update_bitwise(base, tmp_path):
+@pytest.mark.parametrize("form", ["directory", "state_dict"])  # a run's checkpoint (DCP files); in memory
+def test_resume_gives_the_same_next_update_bitwise(base, tmp_path, form):
     cfg = LearnerConfig(lr=1e-3, schedule="cosine", total_steps=5, warmup_ratio=0.4)
     b1, b2 = make_trajectories(base, 4, seed=7), make_trajectories(base, 4, seed=8)
     a = Learner(copy.deepcopy(base), cfg)
     a.update(b1)
     path = tmp_path / "ckpt" / "learner.pt"
-    ckpt.atomic_save(a.state_dict(), path)
+    a.save(path.parent) if form == "directory" else ckpt.atomic_save(a.state_dict(), path)
     draw_after_save = torch.rand(4)
     stats_a = a.update(b2)
 
@@ -210,7 +211,7 @@ def test_resume_gives_the_same_next_update_bitwise(base, tmp_path):
         for p in other.parameters():
             p.normal_()  # different weights: everything must come from the checkpoint
     b = Learner(other, cfg)
-    b.load_state_dict(ckpt.load(path))
+    b.load(path.parent) if form == "directory" else b.load_state_dict(ckpt.load(path))
     assert torch.equal(torch.rand(4), draw_after_save)  # RNG restored
     assert (b.step, b.policy_version) == (1, 1)
     stats_b = b.update(b2)
@@ -221,7 +222,8 @@ def test_resume_gives_the_same_next_update_bitwise(base, tmp_path):
     assert stats_b["lr"] == pytest.approx(1e-3 * cfg.lr_schedule()(1))  # the schedule resumed at step 1
     with pytest.raises(ValueError, match="already used"):
         b.update(b1)  # the consumed set survives the checkpoint
-    assert [p.name for p in path.parent.iterdir()] == ["learner.pt"]  # no temp file left behind
+    files = {"directory": [".metadata", "__0_0.distcp", "state.pt"], "state_dict": ["learner.pt"]}[form]
+    assert sorted(p.name for p in path.parent.iterdir()) == files  # no temp file left behind
 
 
 def test_tail_average_is_the_mean_of_the_weights_after_each_of_the_last_n_updates(base, tmp_path):

@@ -176,12 +176,24 @@ def test_keep_checkpoints_prunes_the_oldest_and_resume_uses_the_newest(tiny, tmp
     learner = make_learner(tiny)
     run(cfg(total_updates=5, checkpoint_every=1, keep_checkpoints=2), tiny, learner, run_dir=tmp_path)
     ckpts = tmp_path / "checkpoints"
-    # a checkpoint per update and one at shutdown (the same step 5, rewritten): the newest two remain
-    assert sorted(p.name for p in ckpts.glob("step_*.pt")) == ["step_000004.pt", "step_000005.pt"]
-    path, state = loop_state.load_latest(tmp_path)
-    assert path.name == "step_000005.pt" and state["loop"]["step"] == 5
+    # a checkpoint per update and one at shutdown (the same step 5, rewritten): the newest two remain, each a
+    # directory with the learner's DCP files and the loop part; no temporary is left
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000004", "step_000005"]
+    assert {p.name for p in (ckpts / "step_000005" / "learner").iterdir()} == {".metadata", "__0_0.distcp",
+                                                                               "state.pt"}
+    resumed = make_learner(tiny)
+    path, state = loop_state.restore(tmp_path, resumed)
+    assert path.name == "step_000005" and state["step"] == 5
+    assert resumed.step == learner.step == 5 and resumed.policy_version == learner.policy_version
+    for (k, v), (_, w) in zip(learner.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(v, w), k
     # the newest is never pruned, whatever keep says
-    assert loop_state.prune(tmp_path, 1) == [ckpts / "step_000004.pt"] and loop_state.latest(tmp_path) == path
+    assert loop_state.prune(tmp_path, 1) == [ckpts / "step_000004"] and loop_state.latest(tmp_path) == path
+    # a crash between the two renames of a same-step rewrite: the directory moved aside is put back
+    os.replace(path, ckpts / ".step_000005.old.tmp")
+    assert loop_state.latest(tmp_path) is None
+    loop_state.remove_stale_tmp(tmp_path)
+    assert loop_state.latest(tmp_path) == path and not list(ckpts.glob(".*"))
 
 
 class SlowReset(gym.Wrapper):
@@ -312,8 +324,8 @@ def test_sigint_stops_cleanly_and_resume_continues_step_and_data_order(tiny, tmp
     books_balance(s1)
     from agentenv.trainer import checkpoint as ckpt
 
-    state = ckpt.load(tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text())
-    requeue = state["loop"]["sampler"]["requeue"]
+    state = ckpt.load(tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text() / "loop.pt")
+    requeue = state["sampler"]["requeue"]
     # Every unfinished episode's prompt is issued again on resume; a prompt that was drawn but found no free slot
     # (at most one: dispatch stops at the first refusal) is already waiting in the sampler's requeue too.
     drawn_unplaced = len(requeue) - s1["interrupted"]

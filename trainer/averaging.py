@@ -9,9 +9,10 @@ Contract of :class:`WeightAverage` (owned by :class:`~agentenv.trainer.learner.L
   averages its own shard of each DTensor, with no collective. Tied weights appear once (``named_parameters``).
 * :meth:`swap_into(model)` copies the mean into the parameters and empties the average; it returns how many updates
   the mean covered (with fewer than 2 the weights already are the mean and nothing is copied).
-* :meth:`state` / :meth:`load` carry the mean through a checkpoint as full CPU tensors (sharded: ``state`` is a
-  collective; ``load`` re-shards each tensor exactly like its parameter), so a run resumed inside the window averages
-  the same updates as one that never stopped.
+* :meth:`state` / :meth:`load` carry the mean through the learner's in-memory ``state_dict`` as full CPU tensors
+  (sharded: ``state`` is a collective; ``load`` re-shards each tensor exactly like its parameter). A checkpoint
+  directory holds ``mean`` as it is, each rank its shard (:func:`agentenv.trainer.checkpoint.save_learner`). Either
+  way a run resumed inside the window averages the same updates as one that never stopped.
 
 Why: averaging the last iterates cancels part of their noise (Polyak-Ruppert averaging; LAWA for late checkpoints).
 On the CPU ALFWorld demo the unseen success of one update's weights swings run to run by as much as RL's effect.

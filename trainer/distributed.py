@@ -6,16 +6,20 @@ Contract:
 * :func:`make_learner` is what a run calls: ``launch.learner_world_size == 1`` gives an in-process
   :class:`Learner`; ``W > 1`` gives a :class:`ShardedLearner` that spawns W worker processes
   (``torch.multiprocessing``, spawn), each joining a process group (gloo on CPU, NCCL on GPU, rank r on ``cuda:r``)
-  and building ``Learner(model, config, shard=True)``. Both have the same interface: ``update(trajs) -> stats``,
-  ``step``, ``policy_version``, ``export_weights()``, ``state_dict()`` / ``load_state_dict()``, ``save(path)`` /
-  ``load(path)``, ``save_pretrained(dir)``, ``use_average()``, ``components()``, ``close()``.
+  and building ``Learner(model, config, shard=True)`` from a model on the meta device: rank 0 alone loads the
+  weights (on host) and they are broadcast into the shards (:mod:`~agentenv.trainer.sharding`). Both have the same
+  interface: ``update(trajs) -> stats``, ``step``, ``policy_version``, ``export_weights()``, ``save(dir)`` /
+  ``load(dir)`` (a checkpoint directory: each rank writes / reads its own shard, any world size loads it),
+  ``state_dict()`` / ``load_state_dict()`` (in memory, full tensors: gathered to rank 0 and through the driver, so
+  not what checkpoints use), ``save_pretrained(dir)``, ``use_average()``, ``components()``, ``close()``.
 * With a :class:`~agentenv.trainer.placement.Placement` (``loop.backend=ray``) the W ranks are Ray actors instead
   (:class:`RayShardedLearner`, below), each in its own placement bundle, so the learner can span nodes.
 * Every rank receives every command with the same arguments (the whole batch: the rows are split inside
   :meth:`Learner.update`); rank 0's reply is returned. An exception on any rank is raised in the driver with that
   rank's traceback, and the learner stays usable when the error was a refused input (every rank refuses alike).
-* Inside a rank the Learner shards itself with :mod:`agentenv.trainer.sharding` (FSDP2 ``fully_shard``, full-state
-  gathers). A sharded checkpoint resumes a sharded learner of any world size, not a single-process one.
+* Inside a rank the Learner shards itself with :mod:`agentenv.trainer.sharding` (FSDP2 ``fully_shard``, sharded
+  init, full-state gathers for samplers). A checkpoint (:func:`agentenv.trainer.checkpoint.save_learner`) resumes a
+  learner of any world size, a single-process one included.
 """
 
 from __future__ import annotations
@@ -121,14 +125,12 @@ class ShardedLearner:
         self.step, self.policy_version = int(state["step"]), int(state["policy_version"])
 
     def save(self, path) -> None:
-        from . import checkpoint as ckpt
-
-        ckpt.atomic_save(self.state_dict(), path)
+        """Every rank writes its own shard into the directory ``path`` (:meth:`Learner.save`); nothing comes here."""
+        self._call("save", str(path))
 
     def load(self, path) -> None:
-        from . import checkpoint as ckpt
-
-        self.load_state_dict(ckpt.load(path))
+        """From a directory :meth:`save` wrote with any world size (a single-process learner's included)."""
+        self.step, self.policy_version = self._call("load", str(path))
 
     def use_average(self) -> int:
         n, self.policy_version = self._call("use_average")
@@ -161,14 +163,7 @@ def _rank_main(rank, world, port, model_path, config, policy_version, inbox, out
                           LOCAL_RANK=str(rank))
         if not torch.cuda.is_available():
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        from .learner import Learner
-        from .model_io import load_learner_model
-
-        model = load_learner_model(model_path)  # before joining the group: a bad path fails every rank alike, fast
-        from .sharding import init_distributed
-
-        info = init_distributed()
-        learner = Learner(model, config, device=info.device, shard=True, policy_version=policy_version)
+        learner = _rank_learner(rank, model_path, config, policy_version)
     except BaseException as e:
         outbox.put((rank, False, (type(e).__name__, traceback.format_exc())))
         return
@@ -184,12 +179,29 @@ def _rank_main(rank, world, port, model_path, config, policy_version, inbox, out
     dist.destroy_process_group()
 
 
+def _rank_learner(rank: int, model_path: str, config, policy_version: int):
+    """Join the group (env vars set) and build this rank's sharded Learner: every rank builds the model on the meta
+    device from its config; rank 0 alone loads the weights, on host, and they are broadcast into the shards."""
+    from .learner import Learner
+    from .model_io import load_learner_model
+    from .sharding import init_distributed, rank0_weights
+
+    model = load_learner_model(model_path, meta=True)  # before joining the group: a bad path fails every rank, fast
+    weights = rank0_weights(load_learner_model(model_path)) if rank == 0 else None
+    info = init_distributed()
+    return Learner(model, config, device=info.device, shard=True, policy_version=policy_version,
+                   rank0_weights=weights)
+
+
 def _serve(learner, name: str, args: tuple):
     if name == "info":
         return {"step": learner.step, "policy_version": learner.policy_version, "components": learner.components()}
     if name == "use_average":  # every rank swaps its own shard of the mean in; the driver tracks the new version
         return learner.use_average(), learner.policy_version
-    if name in ("update", "export_weights", "state_dict", "load_state_dict", "save_pretrained"):
+    if name == "load":
+        learner.load(*args)
+        return learner.step, learner.policy_version
+    if name in ("update", "export_weights", "state_dict", "load_state_dict", "save", "save_pretrained"):
         return getattr(learner, name)(*args)
     raise ValueError(f"unknown learner command {name!r}")
 
@@ -229,15 +241,9 @@ class LearnerRank:
 
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(self.rank), WORLD_SIZE=str(self.world),
                           LOCAL_RANK="0")  # Ray narrows CUDA_VISIBLE_DEVICES to this rank's GPU
-        from .learner import Learner
-        from .model_io import load_learner_model
-        from .sharding import init_distributed
-
         if not torch.cuda.is_available():
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
-        model = load_learner_model(model_path)
-        info = init_distributed()
-        self.learner = Learner(model, config, device=info.device, shard=True, policy_version=policy_version)
+        self.learner = _rank_learner(self.rank, model_path, config, policy_version)
 
     def call(self, name: str, args: tuple):
         value = _serve(self.learner, name, args)

@@ -27,7 +27,8 @@ reduce_dtype=fp32)``), ``"none"`` (float32), or ``"auto"`` (bf16 on CUDA, float3
 hands samplers the weights in the compute dtype.
 
 Sharding: with ``shard=True`` (inside an initialised process group; see :mod:`~agentenv.trainer.distributed`, which
-also gives the driver one object over W such ranks) the model is FSDP2-sharded, every rank collates the whole
+also gives the driver one object over W such ranks) the model is FSDP2-sharded (it may arrive on the meta device,
+with rank 0 passing the weights as ``rank0_weights``: they are broadcast into the shards), every rank collates the whole
 batch (global totals), processes the rows ``rank::world``, and runs the SAME micro-batch / loss / step code; the ranks
 run equally many forward passes (a rank with fewer micro-batches repeats one with zero weight) and the per-row stats
 are gathered so every rank returns the same stats. FSDP2 averages gradients, so each rank backpropagates
@@ -66,6 +67,7 @@ from .batch import Batch, collate, microbatches, trajectory_stats
 from .logprobs import DEFAULT_CHUNK, TokenLogProbs
 from .losses import LOSSES, LossInputs, LossResult, get_loss, merge_results
 from .schedule import Schedule
+from .sharding import max_over_ranks, rank_rows
 
 log = logging.getLogger(__name__)
 
@@ -162,10 +164,11 @@ def trajectory_key(traj: Trajectory) -> str:
 
 class Learner:
     def __init__(self, model: torch.nn.Module, config: LearnerConfig | None = None, *, device=None,
-                 policy_version: int = 0, shard: bool = False):
+                 policy_version: int = 0, shard: bool = False, rank0_weights: dict | None = None):
         self.config = cfg = config or LearnerConfig()
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.model = model.to(device=self.device, dtype=torch.float32)  # float32 master weights, whatever arrived
+        meta = next(model.parameters()).is_meta  # sharded init: the weights come from rank 0 (fsdp2_shard)
+        self.model = model = model.float() if meta else model.to(device=self.device, dtype=torch.float32)  # masters
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.scorer = TokenLogProbs(model)
@@ -173,7 +176,8 @@ class Learner:
         if shard:
             from .sharding import fsdp2_shard
 
-            fsdp2_shard(self.scorer, model, bf16=self.compute_dtype == torch.bfloat16)
+            fsdp2_shard(self.scorer, model, bf16=self.compute_dtype == torch.bfloat16, device=self.device,
+                        rank0_weights=rank0_weights)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -244,10 +248,10 @@ class Learner:
         full = batch.full_batch()  # whole-batch totals: identical on every rank
         prepared = spec.prepare(batch) if spec.prepare else {}
         with_entropy = spec.needs_entropy(cfg.loss) or cfg.compute_entropy
-        mine = _rank_rows(len(batch), rank, world)
+        mine = rank_rows(len(batch), rank, world)
         local = [([mine[i] for i in rows], mb)  # rows of the whole batch, for the loss's prepared tensors and stats
                  for rows, mb in microbatches(batch.select(mine), cfg.max_tokens_per_microbatch)]
-        passes = _max_over_ranks(len(local), self.device) if world > 1 else len(local)
+        passes = max_over_ranks(len(local), self.device) if world > 1 else len(local)
         was_training = self.model.training
         self.model.train()  # HF only checkpoints activations in train mode; Qwen2 has no dropout to worry about
         self.optimizer.zero_grad(set_to_none=True)
@@ -356,24 +360,29 @@ class Learner:
             save_pretrained(self.model, state, out_dir, source=source, dtype=getattr(torch, dtype))
 
     # --- checkpointing --------------------------------------------------------------------------------------------
+    def save(self, path) -> None:
+        """A checkpoint directory, each rank writing its own shard (:func:`~agentenv.trainer.checkpoint.save_learner`;
+        loads into a learner of any world size). Sharded: a collective."""
+        ckpt.save_learner(self, path)
+
+    def load(self, path) -> None:  # any world size's directory
+        ckpt.load_learner(self, path)
+
     def state_dict(self) -> dict:
+        """In memory with full tensors (sharded: a collective gathering to rank 0); checkpoints use :meth:`save`."""
         if self.sharded:
             from .sharding import full_train_state
 
             model_state, optim_state = full_train_state(self.model, self.optimizer)
         else:
             model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
-        return {
-            "model": model_state,
-            "optimizer": optim_state,
-            "step": self.step,
-            "policy_version": self.policy_version,
-            "consumed": sorted(self.consumed),
-            **self.average.state(),  # weight_average, averaged_updates
-            "schedule": asdict(self.schedule),
-            "config": json.dumps(self.config.to_dict()),
-            "rng": ckpt.rng_state(),
-        }
+        return {"model": model_state, "optimizer": optim_state, **self.average.state(), **self.progress_state()}
+
+    def progress_state(self) -> dict:
+        """Everything but the tensors: step, policy version, consumed ids, schedule, config, RNG."""
+        return {"step": self.step, "policy_version": self.policy_version, "consumed": sorted(self.consumed),
+                "schedule": asdict(self.schedule), "config": json.dumps(self.config.to_dict()),
+                "rng": ckpt.rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
         if self.sharded:
@@ -383,28 +392,17 @@ class Learner:
         else:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+        self.average.load(self.model, state)
+        self.load_progress_state(state)
+
+    def load_progress_state(self, state: dict) -> None:
         self.step = int(state["step"])
         self.policy_version = int(state["policy_version"])
         self.consumed = set(state["consumed"])
-        self.average.load(self.model, state)
         ckpt.set_rng_state(state["rng"])
 
     def close(self) -> None:
         """Nothing to release in-process (the sharded driver's ``close`` stops its ranks)."""
-
-
-def _rank_rows(n: int, rank: int, world: int) -> list[int]:
-    """Rows ``rank, rank + world, ...``: strided so ranks get similar lengths."""
-    if n < world:
-        raise ValueError(f"batch of {n} trajectories cannot give every one of {world} learner ranks a row: "
-                         "use loop.batch_size >= launch.learner_world_size")
-    return list(range(rank, n, world))
-
-
-def _max_over_ranks(n: int, device) -> int:
-    t = torch.tensor([n], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
 
 
 def _to_cpu(r: LossResult) -> LossResult:

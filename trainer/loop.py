@@ -10,9 +10,10 @@ Who does what (each a module of its own; this one only connects them):
   which plays episodes with :func:`agentenv.core.runtime.run_episode`.
 * :mod:`.accounting` keeps the books (:class:`~.accounting.Ledger`: every started trajectory ends in exactly one
   bucket) and the one definition of lag.
-* The learner (:mod:`.learner`, anything with ``update / policy_version / export_weights / state_dict /
-  load_state_dict``) takes ONE optimizer step per fresh batch, on a learner thread, so dispatching, timeouts and
-  crash handling go on while it computes; its new weights are published to every sampler (swapped between turns).
+* The learner (:mod:`.learner`, anything with ``update / policy_version / export_weights / save / load``; a
+  checkpoint is a directory its ranks write into) takes ONE optimizer step per fresh batch, on a learner thread, so
+  dispatching, timeouts and crash handling go on while it computes; its new weights are published to every sampler
+  (swapped between turns).
 * :func:`agentenv.core.metrics.update_record` builds the one per-update record; the sink
   (:class:`agentenv.core.metrics.MetricsLogger`) writes ``metrics.jsonl`` / TensorBoard / the ``[update N]`` line.
 * Samplers get the learner's newest weights after each update; ``loop.fixed_lag = k`` (a benchmark harness, sync
@@ -293,8 +294,7 @@ class Trainer:
                 "rows": self._rows(), "config": json.dumps(self.cfg.model_dump(mode="json"))}
 
     def save_checkpoint(self, state: dict | None = None) -> Path:
-        return loop_state.save(self.run_dir, self.step, {"learner": self.learner.state_dict(),
-                                                         "loop": state or self.loop_state()},
+        return loop_state.save(self.run_dir, self.step, self.learner, state or self.loop_state(),
                                keep=self.cfg.keep_checkpoints)
 
     def _rows(self) -> dict:
@@ -304,9 +304,7 @@ class Trainer:
 
     def _restore(self) -> None:
         loop_state.remove_stale_tmp(self.run_dir)
-        path, state = loop_state.load_latest(self.run_dir)
-        self.learner.load_state_dict(state["learner"])
-        s = state["loop"]
+        path, s = loop_state.restore(self.run_dir, self.learner)
         self.step, self.next_eid = int(s["step"]), int(s["next_eid"])
         self.sampler.load_state_dict(s["sampler"])
         self.ledger.load_state_dict(s["counters"])

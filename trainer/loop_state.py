@@ -1,10 +1,14 @@
 """Loop checkpoints: save, find, resume, and reconcile the run's JSONL files with the checkpoint a run resumes from.
 
-Layout under ``RUN/checkpoints/``: ``step_NNNNNN.pt`` (``{"learner": ..., "loop": ...}``, written atomically by
-:func:`agentenv.trainer.checkpoint.atomic_save`; the newest ``loop.keep_checkpoints`` kept) and ``latest`` (the name of the newest complete one, replaced
-atomically after the file is durable). A crash at any moment leaves the previous ``latest`` valid; the temporary
-files such a crash can leave (``.step_*.pt.*.tmp``, ``.latest.tmp``) are removed by :func:`remove_stale_tmp` when a
-run starts in that directory.
+Layout under ``RUN/checkpoints/``: one directory per checkpoint, ``step_NNNNNN/`` holding ``learner/`` (the learner's
+own checkpoint directory: ``torch.distributed.checkpoint`` files, one shard per rank, written by the ranks themselves,
+loadable at any world size: :func:`agentenv.trainer.checkpoint.save_learner`) and ``loop.pt`` (the loop part); the
+newest ``loop.keep_checkpoints`` are kept (:func:`prune`). ``latest`` names the newest complete one. A checkpoint is
+written into a temporary sibling (``.step_NNNNNN.*.tmp/``) renamed into place, and ``latest`` is replaced (atomically)
+only after that, so a crash at any moment leaves the previous ``latest`` valid. Rewriting a step (the shutdown
+checkpoint after that update's own) moves the old directory aside (``.step_NNNNNN.old.tmp``) for the instant of the
+swap; :func:`remove_stale_tmp`, run when a run starts in that directory, puts it back if a crash struck in between,
+then removes every temporary a crash left. Checkpoints of the earlier one-file form (``step_NNNNNN.pt``) still resume.
 
 The loop part records how many rows ``trajectories.jsonl`` and ``metrics.jsonl`` held when it was taken. Rows after
 that belong to updates a crash rolled back: :func:`roll_back_rows` rewrites each file so those rows carry
@@ -17,6 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from . import checkpoint as ckpt
@@ -28,27 +34,59 @@ def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save(run_dir: str | os.PathLike, step: int, payload: dict, keep: int | None = None) -> Path:
+def save(run_dir: str | os.PathLike, step: int, learner, loop: dict, keep: int | None = None) -> Path:
+    """Checkpoint ``learner`` (its ranks write their shards: ``learner.save(dir)``) and the ``loop`` part as
+    ``step_NNNNNN/``, then publish it as ``latest`` and prune (module docstring)."""
     d = checkpoint_dir(run_dir)
-    path = ckpt.atomic_save(payload, d / f"step_{step:06d}.pt")
-    tmp = d / ".latest.tmp"
-    tmp.write_text(path.name)
-    os.replace(tmp, d / "latest")
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"step_{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=d))
+    try:
+        learner.save(tmp / "learner")
+        ckpt.atomic_save(loop, tmp / "loop.pt")
+        if path.exists():  # the same step again: swap; remove_stale_tmp undoes a crash between the two renames
+            old = d / f".{path.name}.old.tmp"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+        ckpt.fsync_dir(d)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _publish_latest(d, path.name)
     log.info("checkpoint step=%d path=%s", step, path)
     if keep:
         prune(run_dir, keep)
     return path
 
 
+def _publish_latest(d: Path, name: str) -> None:
+    tmp = d / ".latest.tmp"
+    with open(tmp, "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, d / "latest")
+    ckpt.fsync_dir(d)
+
+
+def _checkpoints(d: Path) -> list[Path]:
+    """Every checkpoint in ``d``, oldest first (zero-padded: name order is step order); the run's ``step_N/model``
+    directories are not checkpoints of the loop (no ``loop.pt``)."""
+    return sorted((p for p in d.glob("step_*") if (p / "loop.pt").is_file() or (p.suffix == ".pt" and p.is_file())),
+                  key=lambda p: p.name.removesuffix(".pt"))
+
+
 def prune(run_dir: str | os.PathLike, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` ``step_*.pt`` (``loop.keep_checkpoints``); ``latest``'s is never one of
+    """Delete all but the newest ``keep`` checkpoints (``loop.keep_checkpoints``); ``latest``'s is never one of
     them: it is the newest, and pruning runs only after ``latest`` names it."""
-    d = checkpoint_dir(run_dir)
     current = latest(run_dir)
-    steps = sorted(d.glob("step_*.pt"), key=lambda p: p.name)  # zero-padded: name order is step order
-    gone = [p for p in steps[:-keep] if p != current]
+    gone = [p for p in _checkpoints(checkpoint_dir(run_dir))[:-keep] if p != current]
     for p in gone:
-        p.unlink(missing_ok=True)
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     if gone:
         log.info("pruned %d old checkpoint(s), kept %d (loop.keep_checkpoints)", len(gone), keep)
     return gone
@@ -62,21 +100,34 @@ def latest(run_dir: str | os.PathLike) -> Path | None:
     return path if path.exists() else None
 
 
-def load_latest(run_dir: str | os.PathLike) -> tuple[Path, dict]:
+def restore(run_dir: str | os.PathLike, learner) -> tuple[Path, dict]:
+    """Load ``latest`` into ``learner`` (any world size: DCP reshards); returns its path and the loop part."""
     path = latest(run_dir)
     if path is None:
         raise FileNotFoundError(f"nothing to resume from: {checkpoint_dir(run_dir)}/latest does not exist or names a "
-                                "missing file (a run writes its first checkpoint at loop.checkpoint_every or when "
-                                "it stops)")
-    return path, ckpt.load(path)
+                                "missing checkpoint (a run writes its first checkpoint at loop.checkpoint_every or "
+                                "when it stops)")
+    if path.is_file():  # the earlier one-file form: {"learner": full state dict, "loop": ...}
+        state = ckpt.load(path)
+        learner.load_state_dict(state["learner"])
+        return path, state["loop"]
+    learner.load(path / "learner")
+    return path, ckpt.load(path / "loop.pt")
 
 
 def remove_stale_tmp(run_dir: str | os.PathLike) -> list[Path]:
     d = checkpoint_dir(run_dir)
-    stale = sorted(d.glob(".*.tmp")) if d.is_dir() else []
+    if not d.is_dir():
+        return []
+    name = (d / "latest").read_text().strip() if (d / "latest").is_file() else ""
+    aside = d / f".{name}.old.tmp"
+    if name and not (d / name).exists() and aside.is_dir():  # a crash in the middle of a same-step swap
+        os.replace(aside, d / name)
+        log.warning("restored checkpoint %s, moved aside by a rewrite a crash interrupted", name)
+    stale = sorted(d.glob(".*.tmp"))
     for p in stale:
-        p.unlink(missing_ok=True)
-        log.warning("removed a partial checkpoint file left by a crash: %s", p)
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        log.warning("removed a partial checkpoint left by a crash: %s", p)
     return stale
 
 

@@ -4,7 +4,8 @@ Contract:
 
 * :func:`load_learner_model` loads a causal LM directory (offline) with float32 weights whatever its stored dtype or
   ``model.dtype`` say: the learner's master weights and AdamW state are float32; ``model.dtype`` is the compute dtype
-  (see :class:`~agentenv.trainer.learner.Learner`).
+  (see :class:`~agentenv.trainer.learner.Learner`). ``meta=True`` builds the same network from its ``config.json``
+  on the meta device, with no weights (a sharded learner's ranks: :func:`agentenv.trainer.sharding.fill_from_rank0`).
 * :func:`save_pretrained` writes ``out_dir`` as a Hugging Face model directory -- ``config.json`` (its dtype),
   ``generation_config.json``, safetensors weights from the given full state dict cast to ``dtype`` (float32 unless
   asked: a run saves in ``model.save_dtype``, default the compute dtype), and the tokenizer of
@@ -23,9 +24,13 @@ from pathlib import Path
 import torch
 
 
-def load_learner_model(path: str | os.PathLike):
-    from transformers import AutoModelForCausalLM
+def load_learner_model(path: str | os.PathLike, *, meta: bool = False):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    if meta:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
 
 

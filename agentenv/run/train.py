@@ -286,8 +286,10 @@ def shared_cpu_threads(shared: bool):
 
 
 def prune_model_dirs(checkpoints: Path, keep: int) -> list[Path]:
-    """Remove all but the newest ``keep`` ``step_N/`` model directories (``loop.keep_checkpoints``)."""
-    dirs = sorted((d for d in checkpoints.glob("step_*") if d.is_dir() and d.name[5:].isdigit()),
+    """Remove all but the newest ``keep`` ``step_N/`` model directories (``loop.keep_checkpoints``); the loop's own
+    ``step_NNNNNN/`` checkpoints (with a ``loop.pt``) are :func:`agentenv.trainer.loop_state.prune`'s."""
+    dirs = sorted((d for d in checkpoints.glob("step_*")
+                   if d.is_dir() and d.name[5:].isdigit() and not (d / "loop.pt").exists()),
                   key=lambda d: int(d.name[5:]))
     gone = dirs[:-keep] if keep else []
     for d in gone:
