@@ -327,6 +327,68 @@ def test_sleep_and_wake_up(vpolicy, ref, base_state, caplog):
         use_weights(vpolicy, ref, base_state)
 
 
+@pytest.mark.vllm
+@no_vllm
+def test_gloo_weight_transfer_equals_load_weights(vpolicy, ref, base_state):
+    """vLLM's weight-transfer API with our gloo backend, the four phases end to end (engine init, trainer init, trainer
+    send, engine receive + load), the trainer side on this thread and the engine's calls on the client's: the engine
+    then samples exactly what an engine loaded the old way (``load_weights``) samples, and ``policy_version`` moves
+    only at ``finish_weight_update``; a generate call made while the update is open waits and gets the new weights."""
+    import threading
+
+    from agentenv.samplers.tiny import TinyConfig, tiny_model
+    from agentenv.samplers.vllm_policy import VLLMPolicyFactory
+    from agentenv.samplers.weight_transfer import PolicyClient, StateDictSource, trainer_engine
+
+    prompt = prompts(vpolicy.tokenizer)[1]
+    req = GenerationRequest(prompt, SamplingParams(temperature=1.0, top_k=20, max_new_tokens=12), seed=11)
+    new = chatty(tiny_model(TinyConfig(hidden_size=128, num_hidden_layers=2, intermediate_size=512, seed=5))
+                 .state_dict())
+    seen, during = [], []
+
+    class Watched(PolicyClient):  # the real client, recording the engine's version as each phase returns
+        def start_weight_update(self):
+            super().start_weight_update()
+            seen.append(("started", self.policy.policy_version))
+            if not during:  # once: a generate call made while this update is open
+                t = threading.Thread(target=lambda: during.append(self.policy.generate([req])[0]))
+                t.start()
+                during.append(t)
+
+        def update_weights(self, update_info):
+            super().update_weights(update_info)
+            seen.append(("received", self.policy.policy_version))
+
+    tp = VLLMPolicyFactory(**ENGINE, weight_transfer="auto")(0)
+    try:
+        assert tp.weight_transfer == "gloo"  # auto on CPU
+        before = tp.generate([req])[0]
+        trainer = trainer_engine("gloo", Watched(tp, version=7), StateDictSource(new))
+        trainer.send_weights()
+        # Joined before the other engine reloads: vLLM caches rotary-embedding modules per process, so two engines in
+        # one process share one, which a reload puts on the meta device while it runs (a Ray actor has one engine).
+        during[0].join(timeout=600)
+        after = tp.generate([req])[0]
+        use_weights(vpolicy, ref, new)
+        want = vpolicy.generate([req])[0]
+        print(f"\n[gloo transfer] phases {seen}, max|dlogp| vs load_weights "
+              f"{(torch.tensor(after.logprobs) - torch.tensor(want.logprobs)).abs().max().item():.2e}")
+        assert seen == [("started", 0), ("received", 0)] and tp.policy_version == after.policy_version == 7
+        assert after.token_ids == want.token_ids and before.token_ids != want.token_ids
+        assert torch.allclose(torch.tensor(after.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+        held = during[1]  # asked for while the update was open: waited, then sampled the new weights only
+        assert held.policy_version == 7 and held.token_ids == want.token_ids
+        # A second round over the same group (phase 1-2 happen once): back to the starting weights.
+        trainer.source.set(base_state)
+        trainer.client.version = 8
+        trainer.send_weights()
+        use_weights(vpolicy, ref, base_state)
+        assert tp.generate([req])[0].token_ids == vpolicy.generate([req])[0].token_ids and tp.policy_version == 8
+    finally:
+        use_weights(vpolicy, ref, base_state)
+        del tp.llm
+
+
 class _EngineActor:
     """A Ray actor holding a factory-built engine; weight updates arrive as the Ray backend sends them (the ObjectRef of
     one ray.put, resolved by Ray to the state dict) and go through the same ``load_weights``."""
