@@ -5,7 +5,9 @@ One engine per module (start-up on CPU is ~30-70 s), built the way the training 
 still start, and ``sleep`` / ``wake_up`` are logged no-ops). Its weights are switched with ``load_weights`` (itself
 under test), each time together with a transformers reference model holding the same tensors. One more engine runs
 inside a Ray actor and receives its weights as the Ray backend publishes them (one ``ray.put``, the ref passed to
-the actor). The reference is ONE
+the actor). Another is built with our gloo weight-transfer backend and takes updates through vLLM's four-phase
+weight-transfer protocol; it must then sample exactly (same tokens, same log-probs) what the first engine samples
+after ``load_weights`` of the same tensors. The reference is ONE
 full-sequence forward in float32 (no KV cache, no batching) followed by :func:`agentenv.core.processing.processed_logprobs`
 (temperature, top-k, top-p renormalisation), which shares no code with vLLM.
 
@@ -387,6 +389,24 @@ def test_gloo_weight_transfer_equals_load_weights(vpolicy, ref, base_state):
     finally:
         use_weights(vpolicy, ref, base_state)
         del tp.llm
+
+
+@pytest.mark.vllm
+@no_vllm
+def test_weight_transport_choice_and_registration():
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from agentenv.samplers import weight_transfer as wt
+
+    assert wt.resolve_transport("auto", cpu=True, colocated=False) == "gloo"
+    assert wt.resolve_transport("auto", cpu=False, colocated=True) == "ipc"
+    assert wt.resolve_transport("auto", cpu=False, colocated=False) == "nccl"
+    assert wt.resolve_transport("object_store", cpu=False, colocated=False) == "object_store"  # only when named
+    with pytest.raises(ValueError, match="launch.weight_transfer='rdma': use one of auto, gloo"):
+        wt.resolve_transport("rdma", cpu=True, colocated=False)
+    wt.register()  # again: vLLM's register_engine raises on a second registration, ours does not
+    assert WeightTransferEngineFactory._registry["gloo"]() is wt.GlooWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["gloo"]() is wt.GlooTrainerWeightTransferEngine
 
 
 class _EngineActor:
