@@ -231,11 +231,17 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, is_master=True,
                               wait_for_workers=False, timeout=datetime.timedelta(seconds=init_info.timeout_s))
         worker = GlooInitInfo(init_info.master_address, store.port, init_info.world_size, 1, init_info.timeout_s)
-        # The engine blocks in its init until the group is complete, and so does this side: join concurrently.
+        # The engine blocks in its init until the group is complete, and so does this side: both run at once, and an
+        # engine that refuses (built without the backend, say) fails this call at once, not after the timeout.
+        box: dict = {}
         call = _Call(engine.client.init_weight_transfer_engine, asdict(worker))
-        engine.group = _group(init_info.master_address, store.port, 0, init_info.world_size, init_info.timeout_s,
-                              store)
+        opener = _Call(lambda: box.setdefault("group", _group(init_info.master_address, store.port, 0,
+                                                              init_info.world_size, init_info.timeout_s, store)))
+        while not (call.done and opener.done):
+            call.raise_if_failed()
+            opener.result(timeout=0.2, missing_ok=True)
         call.result()
+        engine.group = box["group"]
         return engine
 
     def send_weights(self) -> None:
@@ -285,12 +291,20 @@ class _Call:
 
         threading.Thread(target=run, daemon=True, name="weight-transfer-rpc").start()
 
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
     def raise_if_failed(self) -> None:
         if self._done.is_set() and self._error is not None:
             raise self._error
 
-    def result(self, timeout: float | None = None) -> None:
+    def result(self, timeout: float | None = None, missing_ok: bool = False) -> None:
+        """Wait for the call and re-raise its error; ``missing_ok``: a call still running after ``timeout`` is not
+        an error (the caller polls)."""
         if not self._done.wait(timeout):
+            if missing_ok:
+                return
             raise TimeoutError("the engine side of the weight transfer did not finish")
         if self._error is not None:
             raise self._error
