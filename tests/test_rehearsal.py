@@ -55,7 +55,7 @@ def _placed(components, nodes: int):
     assert len(devices) == len(set(devices)) == 4, pl  # learner ranks and engines never share a device
     assert len({x["node"] for x in pl["learner"]}) == nodes, pl
     ws = components["weight_sync"]
-    assert ws["transport"] == "object_store" and ws["seconds_mean"] > 0 and ws["publishes"] >= 3, ws
+    assert ws["transport"] == "gloo" and ws["seconds_mean"] > 0 and ws["publishes"] >= 3, ws
 
 
 def test_cpu_rehearsal_of_the_cluster_path(tmp_path):

@@ -5,7 +5,9 @@ One engine per module (start-up on CPU is ~30-70 s), built the way the training 
 still start, and ``sleep`` / ``wake_up`` are logged no-ops). Its weights are switched with ``load_weights`` (itself
 under test), each time together with a transformers reference model holding the same tensors. One more engine runs
 inside a Ray actor and receives its weights as the Ray backend publishes them (one ``ray.put``, the ref passed to
-the actor). The reference is ONE
+the actor). Another is built with our gloo weight-transfer backend and takes updates through vLLM's four-phase
+weight-transfer protocol; it must then sample exactly (same tokens, same log-probs) what the first engine samples
+after ``load_weights`` of the same tensors. The reference is ONE
 full-sequence forward in float32 (no KV cache, no batching) followed by :func:`agentenv.core.processing.processed_logprobs`
 (temperature, top-k, top-p renormalisation), which shares no code with vLLM.
 
@@ -325,6 +327,86 @@ def test_sleep_and_wake_up(vpolicy, ref, base_state, caplog):
             assert (torch.tensor(out.logprobs) - want[:, 0]).abs().max().item() <= TOL
     finally:
         use_weights(vpolicy, ref, base_state)
+
+
+@pytest.mark.vllm
+@no_vllm
+def test_gloo_weight_transfer_equals_load_weights(vpolicy, ref, base_state):
+    """vLLM's weight-transfer API with our gloo backend, the four phases end to end (engine init, trainer init, trainer
+    send, engine receive + load), the trainer side on this thread and the engine's calls on the client's: the engine
+    then samples exactly what an engine loaded the old way (``load_weights``) samples, and ``policy_version`` moves
+    only at ``finish_weight_update``; a generate call made while the update is open waits and gets the new weights."""
+    import threading
+
+    from agentenv.samplers.tiny import TinyConfig, tiny_model
+    from agentenv.samplers.vllm_policy import VLLMPolicyFactory
+    from agentenv.samplers.weight_transfer import PolicyClient, StateDictSource, trainer_engine
+
+    prompt = prompts(vpolicy.tokenizer)[1]
+    req = GenerationRequest(prompt, SamplingParams(temperature=1.0, top_k=20, max_new_tokens=12), seed=11)
+    new = chatty(tiny_model(TinyConfig(hidden_size=128, num_hidden_layers=2, intermediate_size=512, seed=5))
+                 .state_dict())
+    seen, during = [], []
+
+    class Watched(PolicyClient):  # the real client, recording the engine's version as each phase returns
+        def start_weight_update(self):
+            super().start_weight_update()
+            seen.append(("started", self.policy.policy_version))
+            if not during:  # once: a generate call made while this update is open
+                t = threading.Thread(target=lambda: during.append(self.policy.generate([req])[0]))
+                t.start()
+                during.append(t)
+
+        def update_weights(self, update_info):
+            super().update_weights(update_info)
+            seen.append(("received", self.policy.policy_version))
+
+    tp = VLLMPolicyFactory(**ENGINE, weight_transfer="auto")(0)
+    try:
+        assert tp.weight_transfer == "gloo"  # auto on CPU
+        before = tp.generate([req])[0]
+        trainer = trainer_engine("gloo", Watched(tp, version=7), StateDictSource(new))
+        trainer.send_weights()
+        # Joined before the other engine reloads: vLLM caches rotary-embedding modules per process, so two engines in
+        # one process share one, which a reload puts on the meta device while it runs (a Ray actor has one engine).
+        during[0].join(timeout=600)
+        after = tp.generate([req])[0]
+        use_weights(vpolicy, ref, new)
+        want = vpolicy.generate([req])[0]
+        print(f"\n[gloo transfer] phases {seen}, max|dlogp| vs load_weights "
+              f"{(torch.tensor(after.logprobs) - torch.tensor(want.logprobs)).abs().max().item():.2e}")
+        assert seen == [("started", 0), ("received", 0)] and tp.policy_version == after.policy_version == 7
+        assert after.token_ids == want.token_ids and before.token_ids != want.token_ids
+        assert torch.allclose(torch.tensor(after.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+        held = during[1]  # asked for while the update was open: waited, then sampled the new weights only
+        assert held.policy_version == 7 and held.token_ids == want.token_ids
+        # A second round over the same group (phase 1-2 happen once): back to the starting weights.
+        trainer.source.set(base_state)
+        trainer.client.version = 8
+        trainer.send_weights()
+        use_weights(vpolicy, ref, base_state)
+        assert tp.generate([req])[0].token_ids == vpolicy.generate([req])[0].token_ids and tp.policy_version == 8
+    finally:
+        use_weights(vpolicy, ref, base_state)
+        del tp.llm
+
+
+@pytest.mark.vllm
+@no_vllm
+def test_weight_transport_choice_and_registration():
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from agentenv.samplers import weight_transfer as wt
+
+    assert wt.resolve_transport("auto", cpu=True, colocated=False) == "gloo"
+    assert wt.resolve_transport("auto", cpu=False, colocated=True) == "ipc"
+    assert wt.resolve_transport("auto", cpu=False, colocated=False) == "nccl"
+    assert wt.resolve_transport("object_store", cpu=False, colocated=False) == "object_store"  # only when named
+    with pytest.raises(ValueError, match="launch.weight_transfer='rdma': use one of auto, gloo"):
+        wt.resolve_transport("rdma", cpu=True, colocated=False)
+    wt.register()  # again: vLLM's register_engine raises on a second registration, ours does not
+    assert WeightTransferEngineFactory._registry["gloo"]() is wt.GlooWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["gloo"]() is wt.GlooTrainerWeightTransferEngine
 
 
 class _EngineActor:

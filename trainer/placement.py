@@ -128,7 +128,8 @@ class Placement:
 
 
 def make_placement(cfg, plan) -> Placement:
-    """The :class:`Placement` of a run's plan (:mod:`agentenv.run.capacity` computed its numbers)."""
+    """The :class:`Placement` of a run's :class:`~agentenv.run.plan.LaunchPlan` (``plan.placement``: the numbers
+    :mod:`agentenv.run.capacity` computed)."""
     p, L = plan.placement, cfg.launch
     existing = p["cluster"]["source"] == "existing cluster"  # its GPUs are known once joined
     engine_gpus = ((L.worker_num_gpus or (L.vllm_tensor_parallel if cfg.model.backend == "vllm" else 0)) if existing

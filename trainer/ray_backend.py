@@ -8,9 +8,15 @@ decision (what to start where, batching, staleness, timeouts, accounting); this 
   cluster) -- its envs and a :class:`~agentenv.trainer.workers.RolloutWorker` (the same class the local backend
   runs), so env workers live in the actor's process next to their sampler. Actors are threaded (``max_concurrency``): a long ``poll`` never blocks
   ``submit`` / ``cancel`` / ``load_weights``.
-* Weight sync: :meth:`RayBackend.publish` does ONE ``ray.put`` of the learner's full (CPU) state dict and every actor
-  calls its policy's ``load_weights(state_dict, version)`` on it (vLLM: its weight-update API). The call returns
-  when all live actors have the new version; samplers swap weights between two generate calls (between turns).
+* Weight sync: vLLM engines built with a weight-transfer backend (``launch.weight_transfer``: gloo on CPU, NCCL /
+  CUDA IPC on GPUs; :mod:`agentenv.samplers.weight_transfer`) take vLLM's four-phase protocol: once the actors are
+  up, each engine and the driver (the trainer side: it holds the learner's exported full state dict, gathered from
+  every rank) open one group per engine; each :meth:`RayBackend.publish` then sends every layer to all engines
+  concurrently while each actor receives and loads (its policy holding generation off from start to finish, the
+  version moving only once the engine holds every tensor). Otherwise (``object_store``, the explicit fallback, or
+  an HF sampler) it does ONE ``ray.put`` of the state dict and every actor calls ``load_weights(state_dict,
+  version)`` on it. Either way the call returns when all live actors have the new version; samplers swap weights
+  between two generate calls (between turns). A restarted actor opens its own group and gets the current weights.
 * Completion: one outstanding long-poll per actor; ``ray.wait`` returns whichever actor has results first.
 * Faults: an actor process that dies (``ray.kill``, OOM, segfault) surfaces as ``RayActorError`` on its poll; a
   worker-level crash inside a live actor arrives as a ``died`` event. Either way the driver drops that worker's
@@ -19,7 +25,7 @@ decision (what to start where, batching, staleness, timeouts, accounting); this 
 * Placement: with a :class:`~agentenv.trainer.placement.Placement` (what ``agentenv run`` passes) actor ``i`` runs
   in engine bundle ``i`` of the run's placement group, so engines and learner ranks never share a GPU;
   :meth:`placement_record` says where Ray put each engine and :meth:`weight_sync` how weights reached them
-  (``object_store``, mean seconds per publish). ``components()["vllm_engines"]`` counts every actor started,
+  (the transport actually used, mean seconds per publish). ``components()["vllm_engines"]`` counts every actor started,
   restarts included. :meth:`play` runs evaluation episodes on the actors' samplers, next to training.
 * Cluster: without a placement, when Ray is not initialised, a local cluster is started with
   ``RAY_AUTH_MODE=disabled`` (Ray 2.60 turns on token auth otherwise), ``num_cpus=launch.ray_num_cpus`` (default:
@@ -32,8 +38,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from agentenv.core.runtime import Batcher, EpisodeSpec, RolloutConfig
 
@@ -73,6 +81,23 @@ class RayRolloutWorker:
         self.worker.load_weights(state_dict, version)
         return version
 
+    # the engine side of a weight transfer (agentenv.samplers.vllm_transfer), driven by _ActorClient
+    def transfer_spec(self) -> dict:
+        spec = getattr(self.policy, "transfer_spec", None)
+        return spec() if callable(spec) else {"transport": "object_store"}
+
+    def init_weight_transfer(self, init_info: dict) -> None:
+        self.policy.init_weight_transfer(init_info)
+
+    def start_weight_update(self) -> None:
+        self.policy.start_weight_update()
+
+    def receive_weights(self, update_info) -> None:
+        self.policy.receive_weights(update_info)
+
+    def finish_weight_update(self, version: int) -> int:
+        return self.policy.finish_weight_update(version)
+
     def sleep(self) -> None:
         getattr(self.policy, "sleep", lambda: None)()
 
@@ -111,6 +136,30 @@ class _Handle:
         self.alive = alive  # accepting episodes
         self.poll_ref = None
         self.starting_ref = None  # a restarted actor's ready() call; it gets work once this resolves
+        self.transfer = None  # the trainer side of this engine's weight-transfer group (None: object store)
+
+
+class _ActorClient:
+    """vLLM's ``VLLMWeightSyncClient`` for one rollout actor: the four control-plane calls as actor calls (the actor
+    is threaded, so its receive runs while the driver sends). ``version`` is what the update sets the engine to."""
+
+    def __init__(self, ray, actor):
+        self.ray, self.actor, self.version = ray, actor, None
+
+    def _call(self, method: str, *args):
+        return self.ray.get(getattr(self.actor, method).remote(*args), timeout=READY_TIMEOUT_S)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("init_weight_transfer", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self._call("receive_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", self.version)
 
 
 class RayBackend:
@@ -127,12 +176,15 @@ class RayBackend:
         self.started = 0  # actors spawned, restarts included
         self._publish_s: list[float] = []
         self._cls = ray.remote(RayRolloutWorker)
-        self._weights = None  # (ObjectRef of the last published state dict, version)
+        self._weights = None  # (ObjectRef of the last published state dict (object store) or None, version)
+        self._transport, self._source = "object_store", None  # set by _open_transfers when the engines have one
+        self._sync = threading.Lock()  # a publish and a restarted actor's catch-up never interleave
         self._events: list = []  # deaths the driver caused (kill_worker), reported on the next poll
         self.workers: list[_Handle] = []
         try:
             self.workers = [self._spawn(i) for i in range(loop.num_workers)]
             pids = ray.get([w.actor.ready.remote() for w in self.workers], timeout=READY_TIMEOUT_S)
+            self._open_transfers()
         except BaseException:
             self.close()
             raise
@@ -191,17 +243,64 @@ class RayBackend:
                 events.append(ev)
         return events
 
+    def _open_transfers(self) -> None:
+        """Phases 1-2 of vLLM's weight transfer with every engine that was built with a transfer backend."""
+        specs = self.ray.get([w.actor.transfer_spec.remote() for w in self.workers], timeout=READY_TIMEOUT_S)
+        kinds = {s["transport"] for s in specs}
+        if kinds == {"object_store"}:
+            return
+        if len(kinds) != 1:
+            raise RuntimeError(f"the rollout engines were built for different weight transports {sorted(kinds)}")
+        import torch
+
+        from agentenv.samplers.weight_transfer import StateDictSource
+
+        self._transport = kinds.pop()
+        gpu = self._transport in ("nccl", "ipc")  # sent from this process's GPU, in the engine's dtype, per tensor
+        self._source = StateDictSource(device="cuda" if gpu else None,
+                                       dtype=getattr(torch, specs[0]["dtype"]) if gpu else None)
+        for w, spec in zip(self.workers, specs):
+            self._open(w, spec)
+
+    def _open(self, w: _Handle, spec: dict) -> None:
+        from agentenv.samplers.weight_transfer import trainer_engine
+
+        w.transfer = trainer_engine(self._transport, _ActorClient(self.ray, w.actor), self._source,
+                                    master_address=self.ray.util.get_node_ip_address(),
+                                    world_size=1 + spec["workers"])
+
     def publish(self, state_dict: dict, version: int) -> None:
         ray, t0 = self.ray, time.perf_counter()
-        ref = ray.put(state_dict)  # one copy in the object store, shared by every actor on a node
-        self._weights = (ref, version)
-        acks = {w.actor.load_weights.remote(ref, version): i for i, w in enumerate(self.workers) if w.alive}
-        for r, i in acks.items():
-            try:
-                ray.get(r)
-            except ray.exceptions.RayActorError:
-                self.workers[i].alive = False  # its poll reports the death; nothing else to do here
+        with self._sync:
+            if self._source is not None:  # phases 3-4: every engine receives concurrently
+                self._source.set(state_dict)
+                self._weights = (None, version)
+                live = [w for w in self.workers if w.alive and w.transfer is not None]
+                with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+                    for f in [pool.submit(self._send, w, version) for w in live]:
+                        f.result()
+            else:
+                ref = ray.put(state_dict)  # one copy in the object store, shared by every actor on a node
+                self._weights = (ref, version)
+                acks = {w.actor.load_weights.remote(ref, version): i for i, w in enumerate(self.workers) if w.alive}
+                for r, i in acks.items():
+                    try:
+                        ray.get(r)
+                    except ray.exceptions.RayActorError:
+                        self.workers[i].alive = False  # its poll reports the death; nothing else to do here
         self._publish_s.append(time.perf_counter() - t0)
+
+    def _send(self, w: _Handle, version: int) -> None:
+        w.transfer.client.version = version
+        try:
+            w.transfer.send_weights()
+        except Exception:
+            try:
+                self.ray.get(w.actor.ready.remote(), timeout=60)
+            except self.ray.exceptions.RayActorError:
+                w.alive, w.transfer = False, None  # the engine died mid-transfer: its poll reports the death
+                return
+            raise
 
     def _on_live(self, method: str) -> None:
         refs = [getattr(w.actor, method).remote() for w in self.workers if w.alive]
@@ -240,9 +339,10 @@ class RayBackend:
         return [{"engine": i, **self.ray.get(r, timeout=60)} for i, r in refs.items()]
 
     def weight_sync(self) -> dict:
-        """How weights reached the engines: one ``ray.put`` of the state dict per update, each actor copying it in."""
+        """How weights reached the engines (``gloo`` / ``nccl`` / ``ipc``: vLLM's weight-transfer API; ``object_store``:
+        one ``ray.put`` per update) and the mean seconds per publish, every engine holding the new version."""
         n = len(self._publish_s)
-        return {"transport": "object_store", "seconds_mean": sum(self._publish_s) / n if n else None,
+        return {"transport": self._transport, "seconds_mean": sum(self._publish_s) / n if n else None,
                 "publishes": n}
 
     def play(self, make_env: Callable, tasks: list, rollout: RolloutConfig) -> list:
@@ -276,8 +376,14 @@ class RayBackend:
         w.starting_ref = None
         try:
             self.ray.get(ref)
-            if self._weights is not None:  # a fresh actor has make_policy's weights: bring it up to date first
-                self.ray.get(w.actor.load_weights.remote(*self._weights))
+            with self._sync:  # a fresh actor has make_policy's weights: bring it up to date first
+                if self._source is not None:
+                    self._open(w, self.ray.get(w.actor.transfer_spec.remote(), timeout=READY_TIMEOUT_S))
+                    if self._weights is not None:
+                        w.transfer.client.version = self._weights[1]
+                        w.transfer.send_weights()
+                elif self._weights is not None:
+                    self.ray.get(w.actor.load_weights.remote(*self._weights))
         except Exception as e:  # noqa: BLE001 -- it stays out of rotation; the run goes on with the others
             log.error("restarted rollout actor %d failed to start: %s", wid, e)
             return
@@ -303,6 +409,8 @@ class RayBackend:
             except Exception:  # noqa: BLE001 -- dead or hung: it is killed below anyway
                 pass
         for w in self.workers:
+            if w.transfer is not None:
+                w.transfer.shutdown()
             self._kill_quietly(w.actor)
         self.workers = []
         self._weights = None

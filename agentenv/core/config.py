@@ -261,6 +261,11 @@ class LaunchConfig(_Section):
     vllm_tensor_parallel: int = Field(1, ge=1)
     vllm_gpu_memory_utilization: float = Field(0.5, gt=0, lt=1)  # engine's share of its GPU (colocated: < 1)
     vllm_sleep: bool = True  # colocated engine releases its KV cache during the learner step (vLLM sleep mode)
+    # how a Ray run's weights reach its vLLM engines (vLLM's weight-transfer API; agentenv.samplers.weight_transfer):
+    # auto = gloo on CPU, CUDA IPC when the engine shares the learner's GPU, NCCL when engines are on other GPUs;
+    # object_store = one ray.put of the state dict per update (the fallback, only when named). Recorded in
+    # summary.json components.weight_sync.transport. A local run loads its one in-process engine directly.
+    weight_transfer: Literal["auto", "gloo", "nccl", "ipc", "object_store"] = "auto"
     learner_world_size: int = Field(1, ge=1)  # > 1: FSDP2 learner ranks (gloo on CPU, NCCL on GPU)
     ray_address: Optional[str] = None  # None: start a local Ray cluster (loop.backend=ray)
     ray_num_cpus: Optional[int] = Field(None, ge=1)  # CPUs of that local cluster; None = what the plan needs

@@ -57,7 +57,8 @@ def policy_factory(cfg: RunConfig, model_path: str, plan: LaunchPlan):
                                gpu_memory_utilization=cfg.launch.vllm_gpu_memory_utilization,
                                tensor_parallel=cfg.launch.vllm_tensor_parallel,
                                enable_sleep_mode=plan.sleep_samplers_during_update,
-                               max_model_len=cfg.rollout.max_total_tokens)
+                               max_model_len=cfg.rollout.max_total_tokens, colocated=plan.colocated,
+                               weight_transfer=cfg.launch.weight_transfer if cfg.loop.backend == "ray" else None)
     return sampler_factory(model_path, "hf", seed=cfg.loop.seed, device=plan.device,
                            dtype=dtype if plan.device.startswith("cuda") else "float32")
 

@@ -32,9 +32,13 @@
   a mixture. A partial update must cover whole vLLM layers (q/k/v projections together, gate/up together), because
   vLLM stores those fused.
 * Training: :class:`VLLMPolicyFactory` is the picklable ``make_policy(worker_index)`` for the training loop, in-process
-  (local backend) and inside a Ray actor, where the backend's ONE ``ray.put`` of the learner's state dict reaches
-  :meth:`load_weights` as CPU tensors (cast to the engine dtype by vLLM's loader as they are copied in).
-  ``VLLMPolicy.backend == "vllm"`` (recorded per trajectory as ``sampling.backend``).
+  (local backend: the loop calls :meth:`load_weights` with the learner's tensors) and inside a Ray actor. There, with
+  ``weight_transfer`` set (``launch.weight_transfer``), the engine is built with vLLM's weight-transfer engine for
+  that transport (gloo on CPU, NCCL / CUDA IPC on GPUs; :mod:`.weight_transfer`) and takes each update through the
+  protocol's engine side (:mod:`.vllm_transfer`: ``init_weight_transfer``, then ``start_weight_update`` /
+  ``receive_weights`` / ``finish_weight_update`` under the same lock discipline and version rule as
+  :meth:`load_weights`); with ``object_store`` it gets the backend's ``ray.put`` state dict through
+  :meth:`load_weights`. ``VLLMPolicy.backend == "vllm"`` (recorded per trajectory as ``sampling.backend``).
 * Colocated learner (one GPU): :meth:`sleep` releases the engine's GPU memory for the learner step through vLLM's
   sleep mode (level 1: weights offloaded to host memory, KV cache discarded; level 2: both discarded, the next
   :meth:`load_weights` must then be a full state dict) and :meth:`wake_up` brings it back. :meth:`generate` waits
@@ -67,8 +71,10 @@ from .vllm_support import (  # noqa: F401  (LogprobAlignmentError, checkpoint_sh
     _check_cpu_head_size, _cpu_kv_cache_unset, _entropy, _import_vllm, _log_once, _reload_on_worker, _sleep_mode,
     checkpoint_shapes,
 )
+from .vllm_transfer import WeightTransferReceiver
 
-class VLLMPolicy:
+
+class VLLMPolicy(WeightTransferReceiver):
     """A :class:`agentenv.core.policy.Policy` on a local vLLM engine.
 
     ``model`` is anything :func:`agentenv.samplers.models.resolve_model` accepts (``"tiny:128x2"``, a local checkpoint dir, an
@@ -87,8 +93,8 @@ class VLLMPolicy:
     def __init__(self, model: str, *, name: str | None = None, dtype: str = "auto", max_model_len: int | None = None,
                  seed: int = 0, enforce_eager: bool | None = None, gpu_memory_utilization: float = 0.9,
                  kv_cache_gb: float | None = None, max_num_seqs: int | None = None, tensor_parallel: int = 1,
-                 enable_sleep_mode: bool = False, sleep_level: int = 1,
-                 stop_token_ids: Iterable[int] | None = None, policy_version: int = 0, **engine_kwargs):
+                 enable_sleep_mode: bool = False, sleep_level: int = 1, weight_transfer: str | None = None,
+                 colocated: bool = False, stop_token_ids: Iterable[int] | None = None, policy_version: int = 0, **engine_kwargs):
         from transformers import AutoTokenizer
 
         from agentenv.samplers.models import resolve_model
@@ -141,6 +147,9 @@ class VLLMPolicy:
             kwargs["tensor_parallel_size"] = tensor_parallel
         if self.sleep_enabled:
             kwargs["enable_sleep_mode"] = True
+        self.weight_transfer = self._transfer_backend(weight_transfer, colocated)
+        if self.weight_transfer not in (None, "object_store"):
+            kwargs["weight_transfer_config"] = {"backend": self.weight_transfer}
         kwargs.update(engine_kwargs)
         self.llm = LLM(**kwargs)
         self.policy_version = policy_version
@@ -151,6 +160,7 @@ class VLLMPolicy:
         self._asleep: set[str] = set()  # vLLM memory tags currently released ("weights", "kv_cache")
         self._weights_discarded = False  # level-2 sleep: the engine's weights are gone until a full load_weights
         self._broken: str | None = None  # why the engine can no longer be trusted (a failed in-engine weight load)
+        self._updating = False  # a weight-transfer update is between start_weight_update and finish_weight_update
         self._rng = random.Random(seed)
 
     def _stop_ids(self, path: str, explicit: Iterable[int] | None) -> frozenset[int]:
@@ -166,6 +176,11 @@ class VLLMPolicy:
         if not ids:
             raise ValueError("no end-of-turn token: the tokenizer has no eos_token_id and none was given")
         return frozenset(ids)
+
+    def _idle(self) -> None:
+        """(Holding the condition) wait until no transfer update is open; then refuse a broken engine."""
+        self._cond.wait_for(lambda: not self._updating or self._broken is not None)
+        self._check_usable()
 
     def _check_usable(self) -> None:
         if self._broken is not None:
@@ -198,7 +213,7 @@ class VLLMPolicy:
         required = set(self._shapes or ()) - ({"lm_head.weight"} if self._tied else set())
         full = self._shapes is not None and set(named) >= required
         with self._cond:
-            self._check_usable()
+            self._idle()
             if self._weights_discarded and not full:
                 raise ValueError("the engine's weights were discarded by a level-2 sleep: the next update must be a "
                                  "full state dict (every checkpoint tensor), got a partial one")
@@ -291,7 +306,7 @@ class VLLMPolicy:
             if not r.prompt_ids:
                 raise ValueError("empty prompt")
         with self._cond:
-            self._cond.wait_for(lambda: not self._asleep or self._broken is not None)
+            self._cond.wait_for(lambda: not (self._asleep or self._updating) or self._broken is not None)
             self._check_usable()
             prompts = [self._TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
             params = [self._vllm_params(r) for r in requests]
@@ -365,6 +380,8 @@ class VLLMPolicyFactory:
     kv_cache_gb: float | None = None
     max_num_seqs: int | None = None
     enforce_eager: bool | None = None
+    weight_transfer: str | None = None  # launch.weight_transfer (Ray runs); None: weights come by load_weights only
+    colocated: bool = False  # engine shares the learner's GPU (weight_transfer=auto then picks CUDA IPC)
     engine_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -380,6 +397,7 @@ class VLLMPolicyFactory:
                           gpu_memory_utilization=self.gpu_memory_utilization, tensor_parallel=self.tensor_parallel,
                           enable_sleep_mode=self.enable_sleep_mode, sleep_level=self.sleep_level,
                           max_model_len=self.max_model_len, kv_cache_gb=self.kv_cache_gb,
-                          max_num_seqs=self.max_num_seqs, enforce_eager=self.enforce_eager, **self.engine_kwargs)
+                          max_num_seqs=self.max_num_seqs, enforce_eager=self.enforce_eager,
+                          weight_transfer=self.weight_transfer, colocated=self.colocated, **self.engine_kwargs)
 
 

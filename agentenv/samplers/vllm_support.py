@@ -1,6 +1,7 @@
 """vLLM helpers that :class:`agentenv.samplers.vllm_policy.VLLMPolicy` builds on: the import with its install hint,
 platform questions (sleep mode, CPU KV-cache size, CPU head sizes), the checkpoint-header check of a weight update,
-the in-worker reload (with the CPU GEMM re-pack vLLM 0.32 needs) and the exact entropy of a processed distribution.
+the in-worker reload (with the CPU GEMM re-pack vLLM 0.32 needs, also run by the weight-transfer engines) and the
+exact entropy of a processed distribution.
 Nothing here holds state except the set of messages already logged once.
 """
 
@@ -114,18 +115,24 @@ def _reload_on_worker(worker, pairs: list) -> None:
     logits with the old output matrix. Re-packing every layer that still holds a 2-D weight makes the engine compute
     exactly the new model (checked by tests/test_vllm_policy.py).
     """
-    import torch
-
     worker.reload_weights(weights_iterator=iter(pairs), is_checkpoint_format=True)
+    repack_cpu_gemms(worker.model_runner.get_model())
+
+
+def repack_cpu_gemms(model) -> None:
+    """On CPU, re-pack every layer's oneDNN GEMM handle from its current 2-D weight (see :func:`_reload_on_worker`);
+    a no-op elsewhere. The weight-transfer engines call it after their layerwise reload too."""
+    import torch
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-        for module in worker.model_runner.get_model().modules():
-            w = getattr(module, "weight", None)
-            if hasattr(module, "cpu_linear") and isinstance(w, torch.Tensor) and w.ndim == 2 and w.numel() > 0:
-                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(w, torch.Tensor) and w.ndim == 2 and w.numel() > 0:
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
 def _entropy(ids: list[int], lps: list[float], position: int) -> float:
