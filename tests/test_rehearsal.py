@@ -5,8 +5,9 @@ engine pins threads): `pytest -m vllm tests/test_rehearsal.py`.
    actors, a 2-rank FSDP2 learner (gloo) as Ray actors, all placed on disjoint GPU ids. The random tiny model never
    finishes a turn on the Python-tool task, so every reward is 0 and the learner (correctly) skips its steps.
 2. Two nodes (Ray's own test cluster, 4 logical GPUs each) with a learning signal (tests/signal_env.py): the learner
-   ranks on both nodes, 2 engines, 2 updates and an evaluation on the rollout engines; trajectories after update 1
-   are sampled at version >= 1 and the saved model has moved.
+   ranks on both nodes, 2 engines, 4 updates and an evaluation on the rollout engines; once the learner has stepped,
+   episodes are sampled wholly at version >= 1 and the saved model has moved. (4, not 2: the first batch to
+   complete holds the shortest episodes -- empty answers, reward 0 -- so update 1 often takes no step.)
 """
 
 import json
@@ -101,7 +102,7 @@ def test_two_node_rehearsal_with_a_learning_signal(tmp_path, monkeypatch):
                               "--set", "model.backend=vllm", "--set", "loop.backend=ray",
                               "--set", f"launch.ray_address={cluster.address}", "--set", "launch.vllm_engines=2",
                               "--set", "launch.learner_world_size=2", "--set", "launch.learner_placement=STRICT_SPREAD",
-                              "--set", "loop.total_updates=2", "--set", "loop.batch_size=8",
+                              "--set", "loop.total_updates=4", "--set", "loop.batch_size=8",
                               "--set", "rollout.max_new_tokens=8", "--set", "eval.episodes=4",
                               "--set", "algo.lr=1e-3", "--set", "run.plot=false"])
     finally:
