@@ -57,21 +57,41 @@ def resolve(name: str) -> str:
     env_id = ENV_ALIASES.get(name.lower(), name)
     if ":" in env_id:
         module, env_id = env_id.split(":", 1)
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())  # like `python -m`: the user's module next to where they run
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise ValueError(f"cannot import {module!r} for env {name!r}: {e}") from None
-        except Exception as e:  # the user's module failed while importing (e.g. a tool without a type hint)
-            raise ValueError(f"{_user_frame(e, module)}: {type(e).__name__}: {e} (while importing {module!r} for "
-                             f"env {name!r})") from e
+        import_user_module(module, f"env {name!r}")
     if env_id not in gym.registry:
         known = ", ".join(sorted(ENV_ALIASES)) + "; ids: " + ", ".join(
             sorted(k for k in gym.registry if k.startswith("agentenv/")))
         raise ValueError(f"unknown environment {name!r}. Known: {known}; or MODULE:ENV_ID for an env your module "
                          "registers with gymnasium.register")
     return env_id
+
+
+def import_user_module(module: str, shown: str):
+    """The user's ``module`` (importable from the current directory, as ``python -m`` would find it, or a path to a
+    ``.py`` file, whose directory then joins ``sys.path`` so its own imports resolve) -> the module object; raises
+    ``ValueError`` with one line: the module not found, or ``FILE:LINE`` where it failed while importing. ``shown``
+    names what needs it (``env 'x:Y-v0'``)."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: the user's module next to where they run
+    if module.endswith(".py"):
+        if not os.path.isfile(module):
+            raise ValueError(f"no such file {module!r} for {shown} (give a path to a .py file, or a module name "
+                             "importable from the current directory)")
+        folder = os.path.dirname(os.path.abspath(module))
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        module = os.path.basename(module)[:-3]
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
+            raise ValueError(f"{_user_frame(e, module)}: {type(e).__name__}: {e} (while importing {module!r} for "
+                             f"{shown})") from e
+        raise ValueError(f"cannot import {module!r} for {shown}: {e} (run from the directory that holds "
+                         f"{module.replace('.', '/')}.py, or give its path)") from None
+    except Exception as e:  # the user's module failed while importing (e.g. a tool without a type hint)
+        raise ValueError(f"{_user_frame(e, module)}: {type(e).__name__}: {e} (while importing {module!r} for "
+                         f"{shown})") from e
 
 
 def _user_frame(e: BaseException, module: str) -> str:

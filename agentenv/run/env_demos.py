@@ -27,6 +27,13 @@ Contract of :func:`load_env_demos`:
   supplies its own), a call to a tool the env does not have, arguments that are not a JSON object, an observation
   other than the env's, turns after the env ended the episode, or an episode that failed to play.
 * A demo longer than ``max_tokens`` is skipped and counted (its tokens would not fit a rollout either).
+
+:func:`demo_from_trajectory` is the other direction (``agentenv rollout --demos FILE``): a played episode as a demo
+line -- the chat after the system prompt up to its last assistant turn, assistant turns with structured
+``tool_calls`` (:func:`agentenv.samplers.endpoint.to_openai_messages`), one ``tool`` message per call (the results
+of malformed calls, which have no call to answer, are left out: the env's own are used when it is played). Played
+again it gives the same turns and rewards; an episode that cannot be a demo (it failed, or its last turn was cut at
+its length limit) gives None.
 """
 
 from __future__ import annotations
@@ -217,3 +224,26 @@ def _check(traj, i: int, msgs: list[dict], actions: list[str], observations: lis
         if got["role"] != ob["role"] or got["content"] != want:
             raise DemoError(f"{where}: messages[{ob['first']}]: the env answered {got['role']} {got['content'][:200]!r}, "
                             f"the demo has {ob['role']} {want[:200]!r}")
+
+
+def demo_from_trajectory(traj, task_index: int) -> dict | None:
+    """A played episode as a demo line (see the module docstring), or None when it cannot be one."""
+    from agentenv.samplers.endpoint import to_openai_messages
+
+    if traj.finish_reason in ("env_error", "policy_error", "template_error", "max_new_tokens"):
+        return None
+    msgs = [m for m in traj.messages if m["role"] != "system"]
+    last = max((j for j, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+    if last is None or msgs[0]["role"] != "user":
+        return None
+    out = [{"role": "user", "content": msgs[0]["content"]}]
+    for j in range(1, last + 1):
+        m = msgs[j]
+        if m["role"] == "assistant":
+            obs = msgs[j + 1] if j < last and msgs[j + 1]["role"] == "tool" else None
+            turn = to_openai_messages([m] + ([obs] if obs else []))
+            out += [x for x in turn if x["role"] != "user"]  # a "user" here answers malformed calls: left out
+        elif m["role"] != "tool":  # tool results were taken with their call above
+            out.append({"role": m["role"], "content": m["content"]})
+    return {"task_index": task_index, "messages": out}
+
