@@ -30,10 +30,11 @@
   handles vLLM 0.32 leaves stale, see :func:`.vllm_support._reload_on_worker`), drops the prefix cache (its KV
   blocks were computed by the old weights) and bumps ``policy_version``. It pauses admission and waits until no
   request is in flight before it touches the engine (requests submitted meanwhile wait for it), so a generation
-  never mixes two weight versions, and ``policy_version`` changes only after the engine holds every new tensor. Names and shapes are checked against the checkpoint's safetensors headers BEFORE the engine is touched, so
-  a wrong state dict (another model, a typo) fails with the engine still on its old weights; a failure inside the
-  engine (weights possibly half-loaded) marks the policy unusable: every later call raises instead of sampling from
-  a mixture. A partial update must cover whole vLLM layers (q/k/v projections together, gate/up together), because
+  never mixes two weight versions, and ``policy_version`` changes only after the engine holds every new tensor.
+  Names and shapes are checked against the checkpoint's safetensors headers BEFORE the engine is touched, so a wrong
+  state dict (another model, a typo) fails with the engine still on its old weights; a failure inside the engine
+  (weights possibly half-loaded) marks the policy unusable: every later call raises instead of sampling from a
+  mixture. A partial update must cover whole vLLM layers (q/k/v projections together, gate/up together), because
   vLLM stores those fused.
 * Training: :class:`VLLMPolicyFactory` is the picklable ``make_policy(worker_index)`` for the training loop, in-process
   (local backend: the loop calls :meth:`load_weights` with the learner's tensors) and inside a Ray actor. There, with
@@ -46,9 +47,10 @@
 * Colocated learner (one GPU): :meth:`sleep` releases the engine's GPU memory for the learner step through vLLM's
   sleep mode (level 1: weights offloaded to host memory, KV cache discarded; level 2: both discarded, the next
   :meth:`load_weights` must then be a full state dict) and :meth:`wake_up` brings it back. Sleep waits for the
-  requests in flight; requests submitted while the engine sleeps wait for :meth:`wake_up`; :meth:`load_weights` while asleep first wakes the weights only. Where vLLM has no sleep
-  mode (vLLM 0.32: only CUDA, ROCm and XPU; ``enable_sleep_mode=True`` on CPU makes ``vllm.LLM`` raise "Sleep mode is
-  not supported on current platform") or it was not enabled, both are no-ops that log the reason once.
+  requests in flight; requests submitted while the engine sleeps wait for :meth:`wake_up`; :meth:`load_weights`
+  while asleep first wakes the weights only. Where vLLM has no sleep mode (vLLM 0.32: only CUDA, ROCm and XPU;
+  ``enable_sleep_mode=True`` on CPU makes ``vllm.LLM`` raise "Sleep mode is not supported on current platform") or
+  it was not enabled, both are no-ops that log the reason once.
 
 On CPU the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the caller set it), which avoids the
 ``__main__`` guard multiprocessing needs and lets weight updates pass tensors without serialisation; vLLM's CPU
@@ -195,8 +197,8 @@ class VLLMPolicy(ContinuousServing, WeightTransferReceiver):
                      version: int | None = None) -> int:
         """Load HF-named tensors into the running engine in place; returns the new ``policy_version``.
 
-        Pauses admission and waits for the requests in flight (never swaps weights inside one). ``policy_version`` is set
-        only once the engine holds every new tensor and its prefix cache is dropped. Invalid input (unknown names,
+        Pauses admission and waits for the requests in flight (never swaps weights inside one). ``policy_version`` is
+        set only once the engine holds every new tensor and its prefix cache is dropped. Invalid input (unknown names,
         wrong shapes, an inconsistent tied head) raises ``ValueError`` with the engine untouched."""
         t0 = time.perf_counter()
         named = dict(weights.items() if isinstance(weights, Mapping) else weights)

@@ -12,12 +12,13 @@ Contract:
   requests added while it runs; vLLM's ``AsyncLLM`` always runs its engine in another process, which would send every
   weight update through serialisation and puts a second process inside each Ray actor.
 * :meth:`generate` ``(batch)`` submits every request (its seeds drawn in order, admitted together) and waits for all.
-* Weights and memory: every engine call other than the serving thread's (a weight load, either transfer phase,
-  sleep, wake-up) first pauses admission and waits until nothing is in flight (:meth:`_idle`), then runs while no
-  request can enter. So every request runs start to finish on one weight version, the one its ``Generation``
-  reports (taken when it was admitted), its future is resolved before any weight change starts, and
-  ``policy_version`` moves only once the engine holds the new weights and no request is running. Requests submitted meanwhile queue and are admitted once the engine is free again
-  (after :meth:`wake_up`, after ``finish_weight_update``).
+* Weights and memory: every engine call other than the serving thread's (a weight load, the transfer phases, sleep)
+  first pauses admission and waits until nothing is in flight (:meth:`_idle`), then runs while no request can
+  enter (wake-up runs only on a sleeping engine, where nothing is in flight). So every request runs start to finish
+  on one weight version, the one its ``Generation`` reports (taken when it was admitted), its future is resolved
+  before any weight change starts, and ``policy_version`` moves only once the engine holds the new weights and no
+  request is running. Requests submitted meanwhile queue and are admitted once the engine is free again (after the
+  load, after ``finish_weight_update``, after :meth:`wake_up`).
 * A request's own failure (vLLM refuses its prompt, its log-probs do not align) fails its future only. A failure of
   an engine step marks the policy unusable (as a failed weight load does) and fails every queued and running request.
 * A future's done-callbacks run on the serving thread: they must not wait for the policy.
