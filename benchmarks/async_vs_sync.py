@@ -18,8 +18,10 @@ metrics) unchanged; the env and the learner are stand-ins so the measurement is 
   generation for the same cores) and bumps the policy version; with a real sampler it publishes the model's real
   state dict after every update, so each update also pays a real weight sync (``time_publish_s``).
 
-Same workers x concurrency for both; batch = all rollout slots. Reported: trajectories consumed per second and the
-learner's busy fraction (time inside update / wall time since the loop started, fill-up included).
+Same workers x concurrency for both; batch = all rollout slots. Reported: trajectories consumed per second, the
+learner's busy fraction (time inside update / wall time since the loop started, fill-up included) and ``ms/turn``:
+how long an episode waited for each turn's tokens (request to result, so batching delays count; the vLLM sampler
+serves requests continuously, the HF one in gathered batches).
 Last line: ``async/sync throughput ratio: X; learner busy async A%, sync S%``.
 """
 
@@ -197,6 +199,7 @@ def run(mode: str, args, make_policy, weights: dict) -> dict:
     s["publish_s"] = float(np.mean([m["time_publish_s"] for m in hist])) if hist else 0.0
     s["tokens"] = sum(m["policy_tokens_mean"] * m["batch_size"] for m in hist)
     s["turns"] = sum(m["turns_mean"] * m["batch_size"] for m in hist)
+    s["gen_s"] = sum(m["time_generation_s"] for m in hist)  # summed over trajectories: each turn's wait for its tokens
     return s
 
 
@@ -253,11 +256,12 @@ def main() -> None:
     print(f"env step latency over {len(lat)} steps: p50={p50 * 1000:.1f}ms p99={p99 * 1000:.1f}ms "
           f"p99/p50={p99 / p50:.1f}")
     print(f"{'mode':<12}{'updates':>8}{'traj/s':>10}{'learner busy':>14}{'lag mean':>10}{'lag max':>9}{'wall s':>8}"
-          f"{'tok/s':>9}{'tok/turn':>10}{'publish s':>11}")
+          f"{'tok/s':>9}{'tok/turn':>10}{'ms/turn':>9}{'publish s':>11}")
     for mode, s in res.items():
         print(f"{mode:<12}{s['updates']:>8}{s['traj_per_s']:>10.2f}{100 * s['learner_busy']:>13.1f}%"
               f"{s['lag_mean']:>10.2f}{s['lag_max']:>9}{s['wall']:>8.1f}{s['tokens'] / s['wall']:>9.1f}"
-              f"{s['tokens'] / max(1, s['turns']):>10.1f}{s['publish_s']:>11.3f}")
+              f"{s['tokens'] / max(1, s['turns']):>10.1f}{1000 * s['gen_s'] / max(1, s['turns']):>9.0f}"
+              f"{s['publish_s']:>11.3f}")
         assert s["accounting_balance"] == 0, s
     a, b = res["async"], res["sync_grpo"]
     print(f"async/sync throughput ratio: {a['traj_per_s'] / b['traj_per_s']:.2f}; "

@@ -257,6 +257,86 @@ def test_prefix_cache_does_not_leak_old_weights(vpolicy, ref, base_state):
         use_weights(vpolicy, ref, base_state)
 
 
+def _wait_until(cond, what: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"gave up waiting until {what}"
+        time.sleep(0.002)
+
+
+@pytest.mark.vllm
+@no_vllm
+def test_short_request_does_not_wait_for_a_long_one(vpolicy, ref, base_state):
+    """Continuous serving: a request submitted while a long one generates joins the running engine and finishes
+    first (order of completion, not timing); the runtime calls such a policy per request."""
+    from agentenv.core.serving import PerRequest, request_server
+
+    use_weights(vpolicy, ref, base_state)  # random tiny weights: the end-of-turn token is (almost) never sampled
+    prompt = prompts(vpolicy.tokenizer)[0]
+    finished = []
+    long = vpolicy.submit(GenerationRequest(prompt, SamplingParams(temperature=1.0, max_new_tokens=300), seed=3))
+    long.add_done_callback(lambda f: finished.append("long"))
+    _wait_until(lambda: vpolicy.in_flight or long.done(), "the long request is in the engine")
+    assert not long.done()
+    short = vpolicy.submit(GenerationRequest(prompt, SamplingParams(temperature=1.0, max_new_tokens=2), seed=4))
+    short.add_done_callback(lambda f: finished.append("short"))
+    s, g = short.result(timeout=600), long.result(timeout=600)
+    print(f"\n[vllm serving] finished {finished}: short {len(s.token_ids)} tokens, long {len(g.token_ids)}")
+    assert finished == ["short", "long"] and len(s.token_ids) <= 2 < 100 < len(g.token_ids)
+    assert isinstance(request_server(vpolicy), PerRequest)
+
+
+@pytest.mark.vllm
+@no_vllm
+def test_weight_load_while_requests_are_in_flight(vpolicy, ref, base_state):
+    """A load issued while requests generate waits for them (they finish on the old version, and the version has
+    not moved when they resolve), requests submitted meanwhile wait for the load, and every generation's log-probs
+    are exactly those of the one version it reports; after the load the engine samples the new weights."""
+    import threading
+
+    from agentenv.samplers.tiny import TinyConfig, tiny_model
+
+    use_weights(vpolicy, ref, base_state)
+    other = tiny_model(TinyConfig(hidden_size=128, num_hidden_layers=2, intermediate_size=512, seed=1)).state_dict()
+    prompt = prompts(vpolicy.tokenizer)[1]
+    sp = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=96)
+    v0 = vpolicy.policy_version
+    seen = []  # policy_version at the moment each first-wave request resolved
+    first = [vpolicy.submit(GenerationRequest(prompt, sp, seed=20 + i)) for i in range(3)]
+    for f in first:
+        f.add_done_callback(lambda f: seen.append(vpolicy.policy_version))
+    _wait_until(lambda: vpolicy.in_flight == 3 or any(f.done() for f in first), "the first wave is in the engine")
+    load = {}
+
+    def loader():
+        load["in_flight_at_start"] = vpolicy.in_flight
+        load["version"] = vpolicy.load_weights(other)
+        load["first_done"] = all(f.done() for f in first)
+
+    t = threading.Thread(target=loader)
+    try:
+        t.start()
+        _wait_until(lambda: not vpolicy.admitting or "version" in load, "the load holds requests back")
+        during = [vpolicy.submit(GenerationRequest(prompt, sp, seed=30 + i)) for i in range(2)]
+        t.join(timeout=600)
+        after = vpolicy.generate([GenerationRequest(prompt, sp, seed=40)])
+        gens = [f.result(timeout=600) for f in first + during] + after
+        assert load["in_flight_at_start"] > 0 and load["first_done"] and load["version"] == v0 + 1
+        assert seen == [v0] * 3 and [g.policy_version for g in gens] == [v0] * 3 + [v0 + 1] * 3
+        worst = {}
+        for state, version in ((base_state, v0), (other, v0 + 1)):
+            ref.load_state_dict(state)
+            for g in (g for g in gens if g.policy_version == version):
+                want = reference(ref, prompt, g.token_ids, 1.0, 1.0, 20).gather(-1, torch.tensor(g.token_ids)[:, None])
+                d = (torch.tensor(g.logprobs) - want[:, 0]).abs().max().item()
+                worst[version] = max(worst.get(version, 0.0), d)
+        print(f"\n[vllm load in flight] max|dlogp| per version {worst}")
+        assert all(d <= TOL for d in worst.values())
+    finally:
+        t.join(timeout=600)
+        use_weights(vpolicy, ref, base_state)
+
+
 @pytest.mark.vllm
 @no_vllm
 def test_invalid_update_is_refused_before_the_engine_changes(vpolicy, ref, base_state):

@@ -13,8 +13,8 @@ says which episode starts on which worker, and the backend moves calls and data.
 * ``play(make_env, tasks, rollout) -> trajectories``: evaluation episodes on the same samplers, next to training.
 
 :class:`LocalBackend` keeps the workers as thread groups in this process sharing ONE sampler through one
-:class:`~agentenv.core.runtime.Batcher` (generation is batched across every in-flight episode); weight sync is an
-in-process ``load_weights``. The Ray backend is :class:`agentenv.trainer.ray_backend.RayBackend`.
+:func:`~agentenv.core.serving.request_server` (per request on a continuously serving vLLM engine; batched across
+every in-flight episode otherwise); weight sync is an in-process ``load_weights``. The Ray backend is :class:`agentenv.trainer.ray_backend.RayBackend`.
 
 The factories are picklable (Ray ships them to actors by reference): :class:`GymEnvFactory` (any gymnasium id,
 including gymnasium's ``module:EnvId`` form, which imports ``module`` first) and the sampler factories of
@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from agentenv.core.config import LaunchConfig, LoopConfig
-from agentenv.core.runtime import Batcher, EpisodeSpec, RolloutConfig
+from agentenv.core.runtime import EpisodeSpec, RolloutConfig
+from agentenv.core.serving import request_server
 
 from .workers import RolloutWorker, drain, publish_to_policy, sampler_kind
 
@@ -72,7 +73,7 @@ class LocalBackend:
     def __init__(self, loop: LoopConfig, rollout: RolloutConfig, make_env: Callable, make_policy: Callable):
         self.loop, self.rollout, self.make_env = loop, rollout, make_env
         self.policy = make_policy(0)
-        self.batcher = Batcher(self.policy) if hasattr(self.policy, "generate") else None
+        self.batcher = request_server(self.policy) if hasattr(self.policy, "generate") else None
         self.sink: queue.Queue = queue.Queue()
         self.workers = [self._new(i) for i in range(loop.num_workers)]
         self._retired: list[RolloutWorker] = []

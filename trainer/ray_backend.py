@@ -43,9 +43,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from agentenv.core.runtime import Batcher, EpisodeSpec, RolloutConfig
-
 from agentenv.core.config import LaunchConfig, LoopConfig
+from agentenv.core.runtime import EpisodeSpec, RolloutConfig
+from agentenv.core.serving import request_server
 
 from .placement import init_ray, where
 from .workers import RolloutWorker, sampler_kind
@@ -62,7 +62,7 @@ class RayRolloutWorker:
     def __init__(self, worker_id: int, make_env: Callable, make_policy: Callable, rollout_cfg: RolloutConfig):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.policy = make_policy(worker_id)
-        self.batcher = Batcher(self.policy) if hasattr(self.policy, "generate") else None
+        self.batcher = request_server(self.policy) if hasattr(self.policy, "generate") else None
         self.worker = RolloutWorker(worker_id, make_env, self.policy, rollout_cfg, self.batcher)
 
     def ready(self) -> int:

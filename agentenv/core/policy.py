@@ -12,6 +12,9 @@ A policy turns token-id prompts into sampled continuations. Contract for every b
 * ``Generation.entropies`` (only when ``request.return_entropy``) is the entropy of that same processed distribution
   at each sampled position.
 * ``policy_version`` is the version of the weights that produced every token of this generation.
+* ``submit(request) -> concurrent.futures.Future[Generation]`` (optional): a sampler that serves continuously (vLLM)
+  takes each request on its own and resolves it as soon as it finishes; the runtime then calls it per request
+  instead of gathering batches (:func:`agentenv.core.serving.request_server`). ``generate`` must still work.
 * ``GenerationRequest.seed`` (optional) fixes the request's random draws: the same seed, prompt and distribution give
   the same tokens whatever else is batched with it (to float rounding). Evaluation seeds each (task, play, turn):
   the same weights score the same, and the evaluations before and after training draw with common random numbers;

@@ -16,10 +16,12 @@
   and timeouts, malformed blocks, and per-tool call / error counts.
 * ``traj.sampling["backend"]`` records the sampler: the policy's ``backend`` attribute (``"hf"``, ``"vllm"``),
   ``"text"`` for non-LLM policies, ``"unknown"`` for a token-level policy that does not say.
-* :class:`RolloutEngine` keeps up to ``concurrency`` episodes in flight on threads. Episodes queue generation
-  requests on a :class:`Batcher`, which runs one batched ``policy.generate`` over whatever requests are waiting and
-  hands each episode its result as soon as the batch returns; each episode then steps its own env at once. There is
-  no barrier across episodes: a slow env step delays only its own episode.
+* :class:`RolloutEngine` keeps up to ``concurrency`` episodes in flight on threads. Episodes reach the sampler through
+  :func:`agentenv.core.serving.request_server`: per request for a sampler that serves continuously (vLLM: a turn
+  enters the running engine when asked for and returns when it alone finishes), else through a
+  :class:`~agentenv.core.serving.Batcher`, which runs one batched ``policy.generate`` over whatever requests are
+  waiting and hands each episode its result as soon as the batch returns. Each episode then steps its own env at
+  once. There is no barrier across episodes: a slow env step delays only its own episode.
 * Non-LLM :class:`agentenv.core.policy.TextPolicy` policies (scripted experts, a served model behind an endpoint) run
   through the same loop and produce trajectories with messages and outcomes but empty token fields. Every turn's
   ``info`` carries the reset's ``tools``; a :class:`~agentenv.core.policy.CutText` reply ends the episode as
@@ -34,13 +36,13 @@ import threading
 import time
 import traceback
 import uuid
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 import gymnasium as gym
 
 from agentenv.core.policy import Generation, GenerationRequest, SamplingParams
+from agentenv.core.serving import Batcher, PerRequest, request_server  # noqa: F401  (also importable from here)
 from agentenv.core.trajectory import Trajectory
 from agentenv.core.turns import TemplateFailed, TextTurns, TokenTurns
 
@@ -215,69 +217,6 @@ def _fail(traj: Trajectory, reason: str, exc: BaseException, t_start: float) -> 
     return traj
 
 
-class Batcher:
-    """Collects generation requests from many episode threads and serves them with batched ``policy.generate``.
-
-    A batch is whatever is waiting when the sampler becomes free, topped up for at most ``max_wait_s`` while more
-    episodes are known to be about to ask (``expected`` callers). Results are delivered per request via futures.
-    """
-
-    def __init__(self, policy, max_batch_size: int = 64, max_wait_s: float = 0.002):
-        self.policy = policy
-        self.max_batch_size = max_batch_size
-        self.max_wait_s = max_wait_s
-        self._q: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="agentenv-batcher", daemon=True)
-        self._thread.start()
-        self.batches = 0
-        self.requests = 0
-
-    def __call__(self, req: GenerationRequest) -> Generation:
-        fut: Future = Future()
-        self._q.put((req, fut))
-        return fut.result()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                first = self._q.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            items = [first]
-            deadline = time.perf_counter() + self.max_wait_s
-            while len(items) < self.max_batch_size:
-                try:
-                    items.append(self._q.get(timeout=max(0.0, deadline - time.perf_counter())))
-                except queue.Empty:
-                    break
-            try:
-                gens = self.policy.generate([r for r, _ in items])
-                for (_, fut), gen in zip(items, gens):
-                    fut.set_result(gen)
-            except BaseException as e:  # noqa: BLE001 -- every waiting episode sees the error
-                for _, fut in items:
-                    if not fut.done():
-                        fut.set_exception(e)
-            self.batches += 1
-            self.requests += len(items)
-
-    def fail_pending(self, reason: str) -> None:
-        """Fail every request still waiting for a batch (the one being generated finishes)."""
-        while True:
-            try:
-                _, fut = self._q.get_nowait()
-            except queue.Empty:
-                return
-            if not fut.done():
-                fut.set_exception(RuntimeError(reason))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.fail_pending("batcher closed")
-
-
 class RolloutEngine:
     """Runs episodes concurrently and yields trajectories in completion order.
 
@@ -288,7 +227,7 @@ class RolloutEngine:
 
     def __init__(self, make_env: Callable[[], gym.Env], policy, cfg: RolloutConfig):
         self.make_env, self.policy, self.cfg = make_env, policy, cfg
-        self.batcher = Batcher(policy) if hasattr(policy, "generate") else None
+        self.batcher = request_server(policy) if hasattr(policy, "generate") else None
 
     def run(self, tasks: Iterable[EpisodeSpec]) -> Iterator[Trajectory]:
         task_iter = iter(tasks)

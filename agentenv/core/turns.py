@@ -71,7 +71,8 @@ class TextTurns:
 
 class TokenTurns:
     """A sampler's episode: ONE token sequence (:class:`~agentenv.core.chat.ChatSequence`), each turn one
-    ``generate_fn(GenerationRequest)`` call (a shared :class:`~agentenv.core.runtime.Batcher`, or the policy itself).
+    ``generate_fn(GenerationRequest)`` call (a shared :func:`~agentenv.core.serving.request_server`, or the policy
+    itself).
     ``cfg`` is the episode's :class:`~agentenv.core.runtime.RolloutConfig` (limits, sampling, template policy)."""
 
     def __init__(self, policy, cfg, sampling_seed: int | None, generate_fn=None):

@@ -20,31 +20,37 @@
 * Randomness: every request gets its own vLLM seed drawn from a policy-owned ``random.Random(seed)``, so a fresh
   policy fed the same sequence of calls reproduces its draws (an in-process engine would otherwise draw from the
   process-global torch RNG, which anything else in the process moves), and requests in one batch still differ. A
-  request with its own ``seed`` (evaluation) is given that seed.
+  request with its own ``seed`` (evaluation) is given that seed. Seeds are drawn when a request is submitted.
+* Serving is continuous (:mod:`.vllm_serving`): :meth:`submit` ``(request) -> Future`` puts one request into the
+  running engine (vLLM's ``LLMEngine.add_request`` between steps of one serving thread) and its future resolves as
+  soon as that request finishes, whatever else is generating; the runtime calls it per request instead of batching
+  (:mod:`agentenv.core.serving`). :meth:`generate` ``(batch)`` submits them all and waits.
 * Weights: :meth:`load_weights` pushes a (possibly partial) HF-named state dict through vLLM's in-place reload path
   (the worker's ``reload_weights``, called through ``collective_rpc``; on CPU followed by a re-pack of the GEMM
   handles vLLM 0.32 leaves stale, see :func:`.vllm_support._reload_on_worker`), drops the prefix cache (its KV
-  blocks were computed by the old weights) and bumps ``policy_version``. It holds the same lock as :meth:`generate`, so a
-  generation never mixes two weight versions, and ``policy_version`` changes only after the engine holds every new
-  tensor. Names and shapes are checked against the checkpoint's safetensors headers BEFORE the engine is touched, so
-  a wrong state dict (another model, a typo) fails with the engine still on its old weights; a failure inside the
-  engine (weights possibly half-loaded) marks the policy unusable: every later call raises instead of sampling from
-  a mixture. A partial update must cover whole vLLM layers (q/k/v projections together, gate/up together), because
+  blocks were computed by the old weights) and bumps ``policy_version``. It pauses admission and waits until no
+  request is in flight before it touches the engine (requests submitted meanwhile wait for it), so a generation
+  never mixes two weight versions, and ``policy_version`` changes only after the engine holds every new tensor.
+  Names and shapes are checked against the checkpoint's safetensors headers BEFORE the engine is touched, so a wrong
+  state dict (another model, a typo) fails with the engine still on its old weights; a failure inside the engine
+  (weights possibly half-loaded) marks the policy unusable: every later call raises instead of sampling from a
+  mixture. A partial update must cover whole vLLM layers (q/k/v projections together, gate/up together), because
   vLLM stores those fused.
 * Training: :class:`VLLMPolicyFactory` is the picklable ``make_policy(worker_index)`` for the training loop, in-process
   (local backend: the loop calls :meth:`load_weights` with the learner's tensors) and inside a Ray actor. There, with
   ``weight_transfer`` set (``launch.weight_transfer``), the engine is built with vLLM's weight-transfer engine for
   that transport (gloo on CPU, NCCL / CUDA IPC on GPUs; :mod:`.weight_transfer`) and takes each update through the
   protocol's engine side (:mod:`.vllm_transfer`: ``init_weight_transfer``, then ``start_weight_update`` /
-  ``receive_weights`` / ``finish_weight_update`` under the same lock discipline and version rule as
+  ``receive_weights`` / ``finish_weight_update`` under the same admission pause and version rule as
   :meth:`load_weights`); with ``object_store`` it gets the backend's ``ray.put`` state dict through
   :meth:`load_weights`. ``VLLMPolicy.backend == "vllm"`` (recorded per trajectory as ``sampling.backend``).
 * Colocated learner (one GPU): :meth:`sleep` releases the engine's GPU memory for the learner step through vLLM's
   sleep mode (level 1: weights offloaded to host memory, KV cache discarded; level 2: both discarded, the next
-  :meth:`load_weights` must then be a full state dict) and :meth:`wake_up` brings it back. :meth:`generate` waits
-  while the engine sleeps; :meth:`load_weights` while asleep first wakes the weights only. Where vLLM has no sleep
-  mode (vLLM 0.32: only CUDA, ROCm and XPU; ``enable_sleep_mode=True`` on CPU makes ``vllm.LLM`` raise "Sleep mode is
-  not supported on current platform") or it was not enabled, both are no-ops that log the reason once.
+  :meth:`load_weights` must then be a full state dict) and :meth:`wake_up` brings it back. Sleep waits for the
+  requests in flight; requests submitted while the engine sleeps wait for :meth:`wake_up`; :meth:`load_weights`
+  while asleep first wakes the weights only. Where vLLM has no sleep mode (vLLM 0.32: only CUDA, ROCm and XPU;
+  ``enable_sleep_mode=True`` on CPU makes ``vllm.LLM`` raise "Sleep mode is not supported on current platform") or
+  it was not enabled, both are no-ops that log the reason once.
 
 On CPU the engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the caller set it), which avoids the
 ``__main__`` guard multiprocessing needs and lets weight updates pass tensors without serialisation; vLLM's CPU
@@ -62,7 +68,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping
 
 from agentenv.core.policy import Generation, GenerationRequest
 
@@ -71,10 +77,11 @@ from .vllm_support import (  # noqa: F401  (LogprobAlignmentError, checkpoint_sh
     _check_cpu_head_size, _cpu_kv_cache_unset, _entropy, _import_vllm, _log_once, _reload_on_worker, _sleep_mode,
     checkpoint_shapes,
 )
+from .vllm_serving import ContinuousServing
 from .vllm_transfer import WeightTransferReceiver
 
 
-class VLLMPolicy(WeightTransferReceiver):
+class VLLMPolicy(ContinuousServing, WeightTransferReceiver):
     """A :class:`agentenv.core.policy.Policy` on a local vLLM engine.
 
     ``model`` is anything :func:`agentenv.samplers.models.resolve_model` accepts (``"tiny:128x2"``, a local checkpoint dir, an
@@ -112,6 +119,9 @@ class VLLMPolicy(WeightTransferReceiver):
         engine_kwargs.pop("logprobs_mode", None)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         LLM, self._VSamplingParams, self._TokensPrompt = _import_vllm()
+        from vllm.sampling_params import RequestOutputKind
+
+        self._FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
         resolved = resolve_model(model)
         self.name = name or resolved.name
@@ -154,14 +164,15 @@ class VLLMPolicy(WeightTransferReceiver):
         self.llm = LLM(**kwargs)
         self.policy_version = policy_version
         self.last_load_s = 0.0  # seconds the last load_weights spent (validation + engine reload + cache reset)
-        # One condition guards the engine: generate, load_weights, sleep and wake_up never overlap, and generate waits
-        # while the engine sleeps.
+        # One condition guards the engine: load_weights, the transfer phases, sleep and wake_up run only with nothing
+        # in flight and admission paused (vllm_serving), and no request is admitted while the engine sleeps.
         self._cond = threading.Condition()
         self._asleep: set[str] = set()  # vLLM memory tags currently released ("weights", "kv_cache")
         self._weights_discarded = False  # level-2 sleep: the engine's weights are gone until a full load_weights
         self._broken: str | None = None  # why the engine can no longer be trusted (a failed in-engine weight load)
         self._updating = False  # a weight-transfer update is between start_weight_update and finish_weight_update
         self._rng = random.Random(seed)
+        self._init_serving()
 
     def _stop_ids(self, path: str, explicit: Iterable[int] | None) -> frozenset[int]:
         if explicit is not None:
@@ -177,11 +188,6 @@ class VLLMPolicy(WeightTransferReceiver):
             raise ValueError("no end-of-turn token: the tokenizer has no eos_token_id and none was given")
         return frozenset(ids)
 
-    def _idle(self) -> None:
-        """(Holding the condition) wait until no transfer update is open; then refuse a broken engine."""
-        self._cond.wait_for(lambda: not self._updating or self._broken is not None)
-        self._check_usable()
-
     def _check_usable(self) -> None:
         if self._broken is not None:
             raise RuntimeError(f"this vLLM engine can no longer be used: {self._broken}; build a new policy")
@@ -191,8 +197,8 @@ class VLLMPolicy(WeightTransferReceiver):
                      version: int | None = None) -> int:
         """Load HF-named tensors into the running engine in place; returns the new ``policy_version``.
 
-        Waits for a running :meth:`generate` to finish (never swaps weights inside one). ``policy_version`` is set
-        only once the engine holds every new tensor and its prefix cache is dropped. Invalid input (unknown names,
+        Pauses admission and waits for the requests in flight (never swaps weights inside one). ``policy_version`` is
+        set only once the engine holds every new tensor and its prefix cache is dropped. Invalid input (unknown names,
         wrong shapes, an inconsistent tied head) raises ``ValueError`` with the engine untouched."""
         t0 = time.perf_counter()
         named = dict(weights.items() if isinstance(weights, Mapping) else weights)
@@ -245,13 +251,13 @@ class VLLMPolicy(WeightTransferReceiver):
     def sleep(self) -> bool:
         """Release the engine's GPU memory (KV cache, and weights per ``sleep_level``) for a learner step.
 
-        Waits for a running :meth:`generate`; later ``generate`` calls wait until :meth:`wake_up`. Returns True when
+        Waits for the requests in flight; requests submitted later wait until :meth:`wake_up`. Returns True when
         memory was released, False (a no-op; the reason logged once) where sleep mode is unavailable or disabled."""
         if not self.sleep_enabled:
             _log_once(f"vLLM sleep(): no-op, {self._no_sleep_reason}")
             return False
         with self._cond:
-            self._check_usable()
+            self._idle()  # admission paused, nothing in flight
             if self._asleep:
                 return True
             try:
@@ -265,7 +271,7 @@ class VLLMPolicy(WeightTransferReceiver):
             return True
 
     def wake_up(self) -> bool:
-        """Re-allocate what :meth:`sleep` released and let :meth:`generate` run again. Returns True when the engine
+        """Re-allocate what :meth:`sleep` released and admit requests again. Returns True when the engine
         was asleep. After a level-2 sleep a full :meth:`load_weights` must come first (the weights were discarded)."""
         if not self.sleep_enabled:
             _log_once(f"vLLM wake_up(): no-op, {self._no_sleep_reason}")
@@ -297,24 +303,8 @@ class VLLMPolicy(WeightTransferReceiver):
             logprobs=-1 if r.return_entropy else 0, flat_logprobs=True,
             detokenize=False, skip_special_tokens=False,
             seed=self._rng.getrandbits(63) if r.seed is None else r.seed,  # a request's own seed is kept
+            output_kind=self._FINAL_ONLY,  # the engine reports a request once, when it finishes
         )
-
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
-        if not requests:
-            return []
-        for r in requests:
-            if not r.prompt_ids:
-                raise ValueError("empty prompt")
-        with self._cond:
-            self._cond.wait_for(lambda: not (self._asleep or self._updating) or self._broken is not None)
-            self._check_usable()
-            prompts = [self._TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
-            params = [self._vllm_params(r) for r in requests]
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
-            version = self.policy_version
-        if len(outputs) != len(requests):
-            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(requests)} requests")
-        return [self._to_generation(r, o, version) for r, o in zip(requests, outputs)]
 
     def _to_generation(self, req: GenerationRequest, out, version: int) -> Generation:
         if len(out.outputs) != 1:

@@ -6,8 +6,8 @@ Contract (the four phases are described in :mod:`agentenv.samplers.weight_transf
   by platform (:func:`.weight_transfer.resolve_transport`). ``None`` / ``"object_store"``: no transfer engine, weights
   come through :meth:`VLLMPolicy.load_weights` only.
 * :meth:`init_weight_transfer` (phase 1, once) joins the trainer's group. Per update:
-  :meth:`start_weight_update` waits for a running ``generate`` and holds every later ``generate`` (and
-  ``load_weights``) off until :meth:`finish_weight_update`; :meth:`receive_weights` takes each chunk the trainer sends
+  :meth:`start_weight_update` pauses admission, waits for the requests in flight and holds every later request
+  (and ``load_weights``) off until :meth:`finish_weight_update`; :meth:`receive_weights` takes each chunk the trainer sends
   (names and shapes checked against the checkpoint); :meth:`finish_weight_update` finalises the engine's load, drops
   the prefix cache and only then moves ``policy_version``. So a generation never mixes versions.
 * Any failure inside the engine during an update marks the policy unusable (``generate`` raises), as a failed
@@ -51,7 +51,7 @@ class WeightTransferReceiver:
         self._engine_rpc("init_weight_transfer_engine", init_info=init_info)
 
     def start_weight_update(self) -> None:
-        """Phase 4 opens: waits for a running :meth:`generate`; later ones wait until :meth:`finish_weight_update`."""
+        """Phase 4 opens: waits for the requests in flight; later ones wait until :meth:`finish_weight_update`."""
         with self._cond:
             self._idle()
             if self._asleep:
