@@ -1,5 +1,5 @@
 """Ctrl-C (SIGINT) of ``agentenv run`` as a user presses it: during the loop, and during a rollout outside the loop
-(the evaluation at the start). Either way the process exits 130, cleanly: no C++ abort at interpreter exit
+(the evaluation at the start, which stops at once). Either way the process exits 130, cleanly: no C++ abort at interpreter exit
 ("terminate called without an active exception"), and inside the loop a checkpoint and the model are saved."""
 
 import os
@@ -50,3 +50,5 @@ def test_ctrl_c_during_a_rollout_outside_the_loop_exits_130_cleanly(tmp_path):
                                  lambda s: "run dir" in s and "agentenv.run.evaluation: eval " in s, tmp_path)
     assert rc == 130, out[-3000:]
     assert "terminate called" not in out and "interrupted" in out
+    # the evaluation stops at the first Ctrl-C (it has no update to finish), it does not play out its 32 episodes
+    assert "[eval update=0" not in out, out[-3000:]

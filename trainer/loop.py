@@ -36,7 +36,8 @@ the final evaluation, on the still-running samplers), record where the engines r
 (``components["placement"]``, ``["weight_sync"]``, Ray), flush the files, close the backend (joins every
 thread, kills every actor it started). ``on_start`` runs once the samplers hold the first weights;
 :meth:`Trainer.play` runs evaluation episodes on the rollout samplers from these hooks and ``on_update``. A second
-Ctrl-C raises ``KeyboardInterrupt`` at once.
+Ctrl-C raises ``KeyboardInterrupt`` at once, and so does the first during ``on_start`` / ``on_end`` (an evaluation
+has no update to finish: it stops now, as it would outside the loop).
 Resume (``resume=True``): learner (weights, optimizer, step, schedule, RNG), update counter, counters and the prompt
 sampler (unfinished prompts are issued again first) come back from ``run_dir/checkpoints/latest``.
 """
@@ -107,6 +108,7 @@ class Trainer:
         self._backend = None
         self._published: int | None = None  # the version the samplers hold
         self._ended = False  # the loop finished without an error: on_end runs at shutdown
+        self._in_hook = False  # on_start / on_end (evaluations) running: a Ctrl-C stops them at once
         self._held_back: deque = deque(maxlen=loop.fixed_lag + 1)  # (weights, version), oldest first
         self._writer: JsonlWriter | None = None
         self._rows_resumed: dict | None = None
@@ -154,7 +156,7 @@ class Trainer:
             self.components = self._backend.components()
             self._publish()
             if self.on_start is not None:
-                self.on_start()
+                self._hook(self.on_start)
             self.clock.start(self.step)
             log.info("run start mode=%s backend=%s step=%d version=%d B=%d Q=%d workers=%d concurrency=%d",
                      cfg.mode, cfg.backend, self.step, self.learner.policy_version, cfg.batch_size, cfg.queue_size,
@@ -338,13 +340,21 @@ class Trainer:
             return None
 
         def handler(signum, frame):
-            if self._stop.is_set():
+            if self._stop.is_set() or self._in_hook:  # no update in flight to finish: stop now
+                self.interrupted = True
                 raise KeyboardInterrupt
             log.warning("SIGINT: finishing the current update, then checkpoint and shut down (Ctrl-C again to abort)")
             self.interrupted = True
             self._stop.set()
 
         return signal.signal(signal.SIGINT, handler)
+
+    def _hook(self, fn: Callable[[], None]) -> None:
+        self._in_hook = True
+        try:
+            fn()
+        finally:
+            self._in_hook = False
 
     @staticmethod
     def _restore_sigint(prev) -> None:
@@ -366,7 +376,7 @@ class Trainer:
             try:  # after the final checkpoint (of the weights rollouts used), before the samplers go
                 for wid, eid in running:  # interrupted already: they would only slow the final evaluation
                     self._backend.cancel(wid, eid)
-                self.on_end()
+                self._hook(self.on_end)
             except BaseException as e:  # noqa: BLE001 -- re-raised once the backend is closed
                 end_error = e
         if self._backend is not None and hasattr(self._backend, "placement_record"):
