@@ -108,16 +108,10 @@ def remove_where(client, match) -> list[str]:
 
 def start_watchdog() -> subprocess.Popen:
     """The process that removes this host's containers as soon as the host is gone (see the module docstring)."""
+    from .reaper import spawn_pipe_watchdog  # here, not at the top: this file also runs as the watchdog script
+
     path = json.dumps([p for p in sys.path if p])  # the same Docker SDK (and its dependencies) as the host's
-    r, w = os.pipe()  # both close-on-exec: no sandbox and no other child of the host inherits the write end
-    try:
-        proc = subprocess.Popen([sys.executable, "-I", __file__, path, json.dumps(owner_labels())], stdin=r,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                close_fds=True)
-    finally:
-        os.close(r)
-    proc.host_end = w  # held open for the host's lifetime; its closing is the watchdog's signal
-    return proc
+    return spawn_pipe_watchdog([sys.executable, "-I", __file__, path, json.dumps(owner_labels())])
 
 
 _guarded_pid = 0

@@ -75,11 +75,17 @@ def reap(parents: list[Path], wait_s: float = 2.0) -> bool:
 
 def start_watchdog(parents: list[Path]) -> subprocess.Popen:
     """A process that reaps ``parents`` as soon as this host process is gone (see the module docstring)."""
+    return spawn_pipe_watchdog([sys.executable, "-S", "-I", __file__, *map(str, parents)])
+
+
+def spawn_pipe_watchdog(argv: list[str]) -> subprocess.Popen:
+    """Start ``argv`` in its own session with stdin the read end of a pipe whose only write end this host holds
+    (``proc.host_end``): the watchdog's read returns end of file exactly when the host is gone, however it died.
+    Shared by the cgroup reaper here and :mod:`.docker_reaper`."""
     r, w = os.pipe()  # both close-on-exec: no sandbox and no other child of the host inherits the write end
     try:
-        proc = subprocess.Popen([sys.executable, "-S", "-I", __file__, *map(str, parents)], stdin=r,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                close_fds=True)
+        proc = subprocess.Popen(argv, stdin=r, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, close_fds=True)
     finally:
         os.close(r)
     proc.host_end = w  # held open for the host's lifetime; its closing is the watchdog's signal

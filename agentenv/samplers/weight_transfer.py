@@ -248,7 +248,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         source = self.source
         groups = source.groups()
         meta = {m.name: m for m in source.metadata()}
-        if not self.is_sender:
+        if not self.is_sender:  # materialising is a collective (FSDP full_tensor): every rank iterates in lockstep
             for _ in source.iter_groups():
                 pass
             return
