@@ -57,6 +57,7 @@ def _placed(components, nodes: int):
     assert len({x["node"] for x in pl["learner"]}) == nodes, pl
     ws = components["weight_sync"]
     assert ws["transport"] == "gloo" and ws["seconds_mean"] > 0 and ws["publishes"] >= 3, ws
+    assert ws["sender"] == "learner ranks (rank 0 sends)", ws  # from the ranks' own weights, not via the driver
 
 
 def test_cpu_rehearsal_of_the_cluster_path(tmp_path):
@@ -123,4 +124,10 @@ def test_two_node_rehearsal_with_a_learning_signal(tmp_path, monkeypatch):
     # than the learner's last version
     assert any(min(t.versions) >= 1 for t in trajs)
     assert max(max(t.versions) for t in trajs) <= summary["summary"]["policy_version"]
+    from agentenv.core.metrics import read_metrics
+
+    # what the engines sampled with IS the learner's weights: episodes sampled at the learner's version (lag 0) show
+    # no drift (lr 1e-3 moves the policy well past delta in one step, so stale or partial weights would)
+    lag0 = [m["lag0_acceptance_rate"] for m in read_metrics(run) if m.get("lag0_acceptance_rate") is not None]
+    assert all(a == 1.0 for a in lag0), lag0
     assert _changed(run, model), "the saved model must differ from the starting one after real optimizer steps"

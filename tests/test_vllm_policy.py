@@ -421,7 +421,7 @@ def test_gloo_weight_transfer_equals_load_weights(vpolicy, ref, base_state):
 
     from agentenv.samplers.tiny import TinyConfig, tiny_model
     from agentenv.samplers.vllm_policy import VLLMPolicyFactory
-    from agentenv.samplers.weight_transfer import PolicyClient, StateDictSource, trainer_engine
+    from agentenv.samplers.weight_transfer import ModelSource, PolicyClient, StateDictSource, trainer_engine
 
     prompt = prompts(vpolicy.tokenizer)[1]
     req = GenerationRequest(prompt, SamplingParams(temperature=1.0, top_k=20, max_new_tokens=12), seed=11)
@@ -461,11 +461,14 @@ def test_gloo_weight_transfer_equals_load_weights(vpolicy, ref, base_state):
         assert torch.allclose(torch.tensor(after.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
         held = during[1]  # asked for while the update was open: waited, then sampled the new weights only
         assert held.policy_version == 7 and held.token_ids == want.token_ids
-        # A second round over the same group (phase 1-2 happen once): back to the starting weights.
-        trainer.source.set(base_state)
+        # A second round over the same group (phases 1-2 happen once), sent from a live model as a learner rank
+        # sends (ModelSource: tied weights once, each tensor read as it goes): back to the starting weights.
+        use_weights(vpolicy, ref, base_state)
+        trainer.source = ModelSource(ref)
+        assert [m.name for m in trainer.source.metadata()] == [n for n, _ in ref.named_parameters()]
         trainer.client.version = 8
         trainer.send_weights()
-        use_weights(vpolicy, ref, base_state)
+        assert torch.is_grad_enabled()  # the sender's thread trains next: sending must not leave grad mode off
         assert tp.generate([req])[0].token_ids == vpolicy.generate([req])[0].token_ids and tp.policy_version == 8
     finally:
         use_weights(vpolicy, ref, base_state)

@@ -5,7 +5,9 @@ says which episode starts on which worker, and the backend moves calls and data.
 
 * ``submit(wid, eid, task)`` / ``cancel(wid, eid)``: start / give up an episode on worker ``wid``.
 * ``poll(timeout) -> events``: ``("done", wid, eid, trajectory)`` and ``("died", wid, reason)``.
-* ``publish(state_dict, version)``: every live sampler holds ``version`` when it returns (swapped between turns).
+* ``publish(weights, version)``: every live sampler holds ``version`` when it returns (swapped between turns).
+  ``weights`` is a state dict or the learner's ``export_weights``, called only where the weights must come to the
+  driver (a backend whose transfers the learner's ranks host never calls it).
 * ``sleep()`` / ``wake_up()``: around the learner step, so a colocated vLLM engine can free its KV cache.
 * ``alive_workers()``, ``kill_worker`` (fault injection), ``restart_worker``, ``close() -> {"leftover_threads": n}``.
 * ``components() -> dict``: what actually started (sampler kind, backend, engines), for ``summary.json``.
@@ -42,7 +44,7 @@ class Backend(Protocol):
     def submit(self, wid: int, eid: int, task: EpisodeSpec) -> None: ...
     def cancel(self, wid: int, eid: int) -> None: ...
     def poll(self, timeout: float) -> list: ...
-    def publish(self, state_dict: dict, version: int) -> None: ...
+    def publish(self, weights, version: int) -> None: ...
     def sleep(self) -> None: ...
     def wake_up(self) -> None: ...
     def alive_workers(self) -> list[int]: ...
@@ -90,8 +92,8 @@ class LocalBackend:
     def poll(self, timeout: float) -> list:
         return drain(self.sink, timeout)
 
-    def publish(self, state_dict: dict, version: int) -> None:
-        publish_to_policy(self.policy, state_dict, version)
+    def publish(self, weights, version: int) -> None:
+        publish_to_policy(self.policy, weights() if callable(weights) else weights, version)
 
     def sleep(self) -> None:
         getattr(self.policy, "sleep", lambda: None)()
@@ -132,10 +134,11 @@ class LocalBackend:
 
 
 def make_backend(loop: LoopConfig, launch: LaunchConfig, rollout: RolloutConfig, make_env: Callable,
-                 make_policy: Callable, placement=None) -> Backend:
-    """``placement`` (:class:`~agentenv.trainer.placement.Placement`, Ray only) pins each actor to its bundle."""
+                 make_policy: Callable, placement=None, learner=None) -> Backend:
+    """``placement`` (:class:`~agentenv.trainer.placement.Placement`, Ray only) pins each actor to its bundle;
+    ``learner`` (Ray only) may host the engines' weight transfers on its own ranks."""
     if loop.backend == "ray":
         from .ray_backend import RayBackend  # ray is an optional dependency: imported only when asked for
 
-        return RayBackend(loop, launch, rollout, make_env, make_policy, placement)
+        return RayBackend(loop, launch, rollout, make_env, make_policy, placement, learner)
     return LocalBackend(loop, rollout, make_env, make_policy)

@@ -224,7 +224,7 @@ class LearnerRank:
     """Actor body of one rank (wrapped with ``ray.remote`` by :class:`RayShardedLearner`)."""
 
     def __init__(self, rank: int, world: int):
-        self.rank, self.world, self.learner = rank, world, None
+        self.rank, self.world, self.learner, self.sender = rank, world, None, None
 
     def where(self) -> dict:
         from .placement import where
@@ -249,9 +249,33 @@ class LearnerRank:
         value = _serve(self.learner, name, args)
         return value if self.rank == 0 else None
 
+    # the trainer side of vLLM's weight transfer, hosted here so weights go from the learner's own devices
+    def open_transfer(self, key, transport: str, engine_actor, world_size: int, dtype_name: str) -> None:
+        import ray
+
+        from agentenv.samplers.weight_transfer import ModelSource, TransferSender
+
+        from .ray_backend import ActorClient
+
+        if self.sender is None:  # gloo sends the master weights as they are; NCCL / IPC in the engine's dtype
+            dtype = getattr(torch, dtype_name) if transport in ("nccl", "ipc") else None
+            self.sender = TransferSender(transport, ModelSource(self.learner.model, dtype), rank=self.rank)
+        self.sender.open(key, ActorClient(ray, engine_actor), world_size=world_size)
+
+    def send_weights(self, keys: list, version: int | None = None) -> dict:
+        version = self.learner.policy_version if version is None else version
+        errors = self.sender.send(keys, version)
+        return {"version": version, "errors": errors} if self.rank == 0 else None
+
+    def close_transfer(self, key=None) -> None:
+        if self.sender is not None:
+            self.sender.close(key)
+
     def close(self) -> None:
         import torch.distributed as dist
 
+        if self.sender is not None:
+            self.sender.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -281,6 +305,22 @@ class RayShardedLearner(ShardedLearner):
 
     def placement(self) -> list[dict]:
         return [dict(w) for w in self._where]
+
+    # Weights to vLLM engines straight from the ranks (rank 0 sends each tensor as the ranks gather it on device):
+    # what :class:`~agentenv.trainer.ray_backend.RayBackend` uses instead of exporting a state dict to the driver.
+    hosts_weight_transfer = True
+
+    def open_transfer(self, key, transport: str, engine_actor, world_size: int, dtype_name: str) -> None:
+        self._gather([a.open_transfer.remote(key, transport, engine_actor, world_size, dtype_name)
+                      for a in self._procs], "open_transfer")
+
+    def send_weights(self, keys: list, version: int | None = None) -> dict:
+        """Send the current weights to the engines ``keys`` (labelled ``version``, default the learner's); returns
+        ``{"version": v, "errors": {key: reason}}`` for engines whose transfer failed."""
+        return self._gather([a.send_weights.remote(list(keys), version) for a in self._procs], "send_weights")
+
+    def close_transfer(self, key=None) -> None:
+        self._gather([a.close_transfer.remote(key) for a in self._procs], "close_transfer")
 
     def _gather(self, refs: list, name: str):
         ray, values, failed = self.ray, [], {}

@@ -136,7 +136,7 @@ class Trainer:
         """Evaluation episodes on the rollout samplers (between updates: ``on_start`` / ``on_update`` / ``on_end``),
         with the learner's current weights (published first when they changed, e.g. by weight averaging)."""
         if self._published != self.learner.policy_version:
-            self._backend.publish(self.learner.export_weights(), self.learner.policy_version)
+            self._backend.publish(self.learner.export_weights, self.learner.policy_version)
             self._published = self.learner.policy_version
         return self._backend.play(make_env, tasks, rollout)
 
@@ -152,7 +152,7 @@ class Trainer:
         try:
             self._open_outputs()
             self._backend = make_backend(cfg, self.launch, self.rollout, self.make_env, self.make_policy,
-                                         self.placement)
+                                         self.placement, self.learner)
             self.components = self._backend.components()
             self._publish()
             if self.on_start is not None:
@@ -261,10 +261,10 @@ class Trainer:
 
     def _publish(self) -> None:
         """The samplers' next weights: the learner's, or with ``loop.fixed_lag`` those ``fixed_lag`` updates older."""
-        weights = (self.learner.export_weights(), self.learner.policy_version)
+        weights = (self.learner.export_weights, self.learner.policy_version)  # exported only where a backend must
         if self.cfg.fixed_lag:  # only then are old copies kept: a large model's exported weights are not small
             if not self._held_back or self._held_back[-1][1] != weights[1]:  # a skipped step made no new version
-                self._held_back.append(weights)
+                self._held_back.append((self.learner.export_weights(), weights[1]))
             weights = self._held_back[0]
         self._backend.publish(*weights)
         self._published = weights[1]

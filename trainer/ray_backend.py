@@ -41,7 +41,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from agentenv.core.config import LaunchConfig, LoopConfig
 from agentenv.core.runtime import EpisodeSpec, RolloutConfig
@@ -81,7 +80,7 @@ class RayRolloutWorker:
         self.worker.load_weights(state_dict, version)
         return version
 
-    # the engine side of a weight transfer (agentenv.samplers.vllm_transfer), driven by _ActorClient
+    # the engine side of a weight transfer (agentenv.samplers.vllm_transfer), driven by ActorClient
     def transfer_spec(self) -> dict:
         spec = getattr(self.policy, "transfer_spec", None)
         return spec() if callable(spec) else {"transport": "object_store"}
@@ -136,10 +135,11 @@ class _Handle:
         self.alive = alive  # accepting episodes
         self.poll_ref = None
         self.starting_ref = None  # a restarted actor's ready() call; it gets work once this resolves
-        self.transfer = None  # the trainer side of this engine's weight-transfer group (None: object store)
+        self.transfer = False  # its weight-transfer group is open (False: object store, or not yet)
+        self.pending = False  # restarted, up, waiting for the weights the next publish sends
 
 
-class _ActorClient:
+class ActorClient:
     """vLLM's ``VLLMWeightSyncClient`` for one rollout actor: the four control-plane calls as actor calls (the actor
     is threaded, so its receive runs while the driver sends). ``version`` is what the update sets the engine to."""
 
@@ -164,7 +164,7 @@ class _ActorClient:
 
 class RayBackend:
     def __init__(self, loop: LoopConfig, launch: LaunchConfig, rollout: RolloutConfig, make_env: Callable,
-                 make_policy: Callable, placement=None):
+                 make_policy: Callable, placement=None, learner=None):
         import ray
 
         self.ray = ray
@@ -177,7 +177,11 @@ class RayBackend:
         self._publish_s: list[float] = []
         self._cls = ray.remote(RayRolloutWorker)
         self._weights = None  # (ObjectRef of the last published state dict (object store) or None, version)
-        self._transport, self._source = "object_store", None  # set by _open_transfers when the engines have one
+        # Who runs the trainer side of the engines' transfers: the learner's ranks (weights leave their devices
+        # directly) when it can host them -- not with loop.fixed_lag, whose held-back copies live in the driver --
+        # else this process, over the state dict each publish exports here.
+        self._host = learner if getattr(learner, "hosts_weight_transfer", False) and not loop.fixed_lag else None
+        self._transport, self._sender, self._dtype = "object_store", None, None  # set by _open_transfers
         self._sync = threading.Lock()  # a publish and a restarted actor's catch-up never interleave
         self._events: list = []  # deaths the driver caused (kill_worker), reported on the next poll
         self.workers: list[_Handle] = []
@@ -253,34 +257,44 @@ class RayBackend:
             raise RuntimeError(f"the rollout engines were built for different weight transports {sorted(kinds)}")
         import torch
 
-        from agentenv.samplers.weight_transfer import StateDictSource
+        from agentenv.samplers.weight_transfer import StateDictSource, TransferSender
 
-        self._transport = kinds.pop()
-        gpu = self._transport in ("nccl", "ipc")  # sent from this process's GPU, in the engine's dtype, per tensor
-        self._source = StateDictSource(device="cuda" if gpu else None,
-                                       dtype=getattr(torch, specs[0]["dtype"]) if gpu else None)
-        for w, spec in zip(self.workers, specs):
-            self._open(w, spec)
+        self._transport, self._dtype = kinds.pop(), specs[0]["dtype"]
+        if self._host is None:  # NCCL / IPC: sent from a GPU in the engine's dtype, one tensor at a time
+            gpu = self._transport in ("nccl", "ipc")
+            self._sender = TransferSender(self._transport, StateDictSource(
+                device="cuda" if gpu else None, dtype=getattr(torch, self._dtype) if gpu else None))
+        for i, (w, spec) in enumerate(zip(self.workers, specs)):
+            self._open(i, w, spec)
 
-    def _open(self, w: _Handle, spec: dict) -> None:
-        from agentenv.samplers.weight_transfer import trainer_engine
+    def _open(self, i: int, w: _Handle, spec: dict) -> None:
+        world = 1 + spec["workers"]  # the trainer's sender + the engine's workers
+        if self._host is not None:
+            self._host.open_transfer(i, self._transport, w.actor, world, self._dtype)
+        else:
+            self._sender.open(i, ActorClient(self.ray, w.actor), world_size=world,
+                              master_address=self.ray.util.get_node_ip_address())
+        w.transfer = True
 
-        w.transfer = trainer_engine(self._transport, _ActorClient(self.ray, w.actor), self._source,
-                                    master_address=self.ray.util.get_node_ip_address(),
-                                    world_size=1 + spec["workers"])
-
-    def publish(self, state_dict: dict, version: int) -> None:
+    def publish(self, weights, version: int) -> None:
+        """``weights``: a state dict, or the learner's ``export_weights`` (called only if this process must hold
+        them; weights hosted by the learner's ranks never come here)."""
         ray, t0 = self.ray, time.perf_counter()
         with self._sync:
-            if self._source is not None:  # phases 3-4: every engine receives concurrently
-                self._source.set(state_dict)
+            if self._transport != "object_store":  # phases 3-4
+                # a restarted actor whose weights come from the learner's ranks catches up here, in the learner's
+                # thread: its ranks serve one command stream, which a catch-up from the poll thread could interleave
+                pending = [i for i, w in enumerate(self.workers) if w.pending]
+                keys = [i for i, w in enumerate(self.workers) if w.alive and w.transfer] + pending
+                if self._host is not None:
+                    errors = self._host.send_weights(keys, version)["errors"]
+                else:
+                    self._sender.source.set(self._export(weights))
+                    errors = self._sender.send(keys, version)
                 self._weights = (None, version)
-                live = [w for w in self.workers if w.alive and w.transfer is not None]
-                with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
-                    for f in [pool.submit(self._send, w, version) for w in live]:
-                        f.result()
+                self._settle(errors, pending)
             else:
-                ref = ray.put(state_dict)  # one copy in the object store, shared by every actor on a node
+                ref = ray.put(self._export(weights))  # one copy in the object store, shared by every actor on a node
                 self._weights = (ref, version)
                 acks = {w.actor.load_weights.remote(ref, version): i for i, w in enumerate(self.workers) if w.alive}
                 for r, i in acks.items():
@@ -290,17 +304,40 @@ class RayBackend:
                         self.workers[i].alive = False  # its poll reports the death; nothing else to do here
         self._publish_s.append(time.perf_counter() - t0)
 
-    def _send(self, w: _Handle, version: int) -> None:
-        w.transfer.client.version = version
-        try:
-            w.transfer.send_weights()
-        except Exception:
+    def _export(self, weights) -> dict:
+        if not callable(weights):
+            return weights
+        if self._transport in ("nccl", "ipc"):  # cast and kept on the learner's GPU: no host round trip
+            import torch
+
+            return weights(device="cuda" if torch.cuda.is_available() else "cpu", dtype=getattr(torch, self._dtype))
+        return weights()
+
+    def _settle(self, errors: dict, pending: list[int]) -> None:
+        """After a send: an engine that failed because its actor died leaves the rotation (its poll reports the
+        death); a live engine that failed is a bug and raises. Restarted actors that got the weights rejoin."""
+        for i, reason in errors.items():
+            w = self.workers[i]
             try:
                 self.ray.get(w.actor.ready.remote(), timeout=60)
-            except self.ray.exceptions.RayActorError:
-                w.alive, w.transfer = False, None  # the engine died mid-transfer: its poll reports the death
-                return
-            raise
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+                w.alive, w.pending, w.transfer = False, False, False
+                self._close_transfer(i)
+                continue
+            raise RuntimeError(f"weight transfer to rollout engine {i} failed: {reason}")
+        for i in pending:
+            if i not in errors:
+                self.workers[i].alive, self.workers[i].pending = True, False
+                log.info("rollout actor %d restarted", i)
+
+    def _close_transfer(self, i: int) -> None:
+        try:
+            if self._host is not None:
+                self._host.close_transfer(i)
+            elif self._sender is not None:
+                self._sender.close(i)
+        except Exception as e:  # noqa: BLE001 -- closing a dead engine's group is best effort
+            log.warning("closing the weight transfer of engine %d: %s", i, e)
 
     def _on_live(self, method: str) -> None:
         refs = [getattr(w.actor, method).remote() for w in self.workers if w.alive]
@@ -342,8 +379,10 @@ class RayBackend:
         """How weights reached the engines (``gloo`` / ``nccl`` / ``ipc``: vLLM's weight-transfer API; ``object_store``:
         one ``ray.put`` per update) and the mean seconds per publish, every engine holding the new version."""
         n = len(self._publish_s)
-        return {"transport": self._transport, "seconds_mean": sum(self._publish_s) / n if n else None,
-                "publishes": n}
+        sender = ("none" if self._transport == "object_store" else
+                  "learner ranks (rank 0 sends)" if self._host is not None else "driver")
+        return {"transport": self._transport, "sender": sender,
+                "seconds_mean": sum(self._publish_s) / n if n else None, "publishes": n}
 
     def play(self, make_env: Callable, tasks: list, rollout: RolloutConfig) -> list:
         """Every task once on the rollout actors' samplers (dealt round-robin to the live ones), next to training."""
@@ -377,11 +416,14 @@ class RayBackend:
         try:
             self.ray.get(ref)
             with self._sync:  # a fresh actor has make_policy's weights: bring it up to date first
-                if self._source is not None:
-                    self._open(w, self.ray.get(w.actor.transfer_spec.remote(), timeout=READY_TIMEOUT_S))
+                if self._transport != "object_store":
+                    self._open(wid, w, self.ray.get(w.actor.transfer_spec.remote(), timeout=READY_TIMEOUT_S))
+                    if self._host is not None:  # the learner's ranks send it at the next publish (see publish)
+                        w.pending = True
+                        log.info("rollout actor %d restarted; it gets the weights at the next publish", wid)
+                        return
                     if self._weights is not None:
-                        w.transfer.client.version = self._weights[1]
-                        w.transfer.send_weights()
+                        self._settle(self._sender.send([wid], self._weights[1]), [])
                 elif self._weights is not None:
                     self.ray.get(w.actor.load_weights.remote(*self._weights))
         except Exception as e:  # noqa: BLE001 -- it stays out of rotation; the run goes on with the others
@@ -408,9 +450,9 @@ class RayBackend:
                 left += int(ray.get(r, timeout=30))
             except Exception:  # noqa: BLE001 -- dead or hung: it is killed below anyway
                 pass
+        if self._sender is not None:
+            self._sender.close()
         for w in self.workers:
-            if w.transfer is not None:
-                w.transfer.shutdown()
             self._kill_quietly(w.actor)
         self.workers = []
         self._weights = None

@@ -37,6 +37,7 @@ from __future__ import annotations
 import datetime
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -211,6 +212,103 @@ class StateDictSource(WeightSource):
             yield name, t
 
 
+class ModelSource(WeightSource):
+    """A ``WeightSource`` over a live (possibly FSDP2-sharded) model, for a trainer side hosted where the weights
+    live: each tensor is gathered on its device (``full_tensor()``, a collective every rank runs in lockstep) and cast
+    to ``dtype`` there, one at a time, so nothing crosses host memory and no full copy is ever held. Tied tensors go
+    once. :meth:`drain` finishes an iteration a failed send left half way, so the other ranks' gathers complete."""
+
+    collective = True  # iterations run on every rank in the same order: sends are sequential, never concurrent
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
+        self.model, self.dtype = model, dtype
+        self._active: Iterator | None = None
+        # named_parameters() lists a tied parameter once, by object identity: the same names on every rank (a
+        # storage-based test would not be: an empty shard has no storage)
+        own = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+        state = model.state_dict()
+        self._names = [n for n in state if n in own]
+        self._meta = [ParamMeta(n, self._wire_dtype(state[n].dtype), tuple(state[n].shape))  # a DTensor's: global
+                      for n in self._names]
+
+    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
+
+    def metadata(self) -> list[ParamMeta]:
+        return self._meta
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._active = self._iterate()
+        return self._active
+
+    def _iterate(self) -> Iterator[tuple[str, torch.Tensor]]:
+        state = self.model.state_dict()
+        for name in self._names:
+            # no_grad per tensor, never across a yield: a consumer that stops at the last tensor (vLLM's iter_groups
+            # does) would otherwise leave grad mode off in its thread for good
+            with torch.no_grad():
+                t = state[name].detach()
+                t = (t.full_tensor() if hasattr(t, "full_tensor") else t).to(self._wire_dtype(t.dtype))
+            yield name, t
+        self._active = None
+
+    def drain(self) -> None:
+        active, self._active = self._active, None
+        for _ in active or ():
+            pass
+
+
+class TransferSender:
+    """The trainer side of every engine's weight transfer, hosted in one process of the trainer: the driver (over a
+    :class:`StateDictSource` it sets per publish) or each learner rank (over a :class:`ModelSource`; rank 0 sends,
+    the other ranks only run the gathers). One trainer engine (one group) per engine ``key``.
+
+    :meth:`send` sends to the given engines, concurrently when the source allows it (a state dict) and one after
+    the other when iterating it is a collective; a failed engine does not stop the others and comes back as
+    ``{key: "Type: message"}``."""
+
+    def __init__(self, transport: str, source, *, rank: int = 0) -> None:
+        self.transport, self.source, self.rank = transport, source, rank
+        self.engines: dict = {}
+
+    def open(self, key, client, *, world_size: int, master_address: str | None = None) -> None:
+        if master_address is None:
+            import ray
+
+            master_address = ray.util.get_node_ip_address()
+        self.close(key)
+        self.engines[key] = trainer_engine(self.transport, client, self.source, master_address=master_address,
+                                           world_size=world_size, rank=self.rank)
+
+    def send(self, keys, version: int) -> dict:
+        engines = [(k, self.engines[k]) for k in keys if k in self.engines]
+        errors: dict = {}
+
+        def one(key, engine):
+            engine.client.version = version
+            try:
+                engine.send_weights()
+            except Exception as e:  # noqa: BLE001 -- reported per engine; the caller decides (dead actor or bug)
+                drain = getattr(self.source, "drain", None)
+                if drain is not None:
+                    drain()  # the other ranks are still gathering: finish the pass with them
+                errors[key] = f"{type(e).__name__}: {e}"
+
+        if getattr(self.source, "collective", False) or len(engines) < 2:
+            for key, engine in engines:
+                one(key, engine)
+        else:
+            with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+                list(pool.map(lambda ke: one(*ke), engines))
+        return errors
+
+    def close(self, key=None) -> None:
+        for k in list(self.engines) if key is None else [key]:
+            engine = self.engines.pop(k, None)
+            if engine is not None:
+                engine.shutdown()
+
+
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
     """Trainer side: hosts the group's store, then per update broadcasts every layer while the engine receives."""
 
@@ -331,20 +429,21 @@ class PolicyClient:
         self.policy.finish_weight_update(self.version)
 
 
-def trainer_engine(transport: str, client, source: StateDictSource, *, master_address: str = "127.0.0.1",
-                   world_size: int = 2):
+def trainer_engine(transport: str, client, source: WeightSource, *, master_address: str = "127.0.0.1",
+                   world_size: int = 2, rank: int = 0):
     """Open the trainer side of ``transport`` (gloo / nccl / ipc) against one engine's ``client``: phase 2 of 4 (the
-    client's ``init_weight_transfer_engine`` is phase 1)."""
+    client's ``init_weight_transfer_engine`` is phase 1). Every trainer rank calls it; ``rank`` 0 is the sender
+    (it alone opens the group and calls the client), the others only join the gathers when weights are sent."""
     if transport == "gloo":
-        info = GlooTrainerInitInfo(rank=0, master_address=master_address, world_size=world_size)
+        info = GlooTrainerInitInfo(rank=rank, master_address=master_address, world_size=world_size)
     elif transport == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        info = NCCLTrainerInitInfo(master_address, _free_port(), world_size, rank=0)
+        info = NCCLTrainerInitInfo(master_address, _free_port() if rank == 0 else 0, world_size, rank=rank)
     elif transport == "ipc":
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        info = IPCTrainerInitInfo(rank=0)
+        info = IPCTrainerInitInfo(rank=rank)
     else:
         raise ValueError(f"no weight-transfer engine for transport {transport!r}")
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
