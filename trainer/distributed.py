@@ -217,7 +217,8 @@ def _serve(learner, name: str, args: tuple):
 # rank uses ``cuda:0`` of its own view. Every command goes to every rank with the same arguments; rank 0's reply is
 # returned; a refused input (a ``ValueError`` on every rank) is raised as ``ValueError``, anything else as
 # ``RuntimeError`` with each failing rank's error. :meth:`placement` says where each rank runs:
-# ``[{"rank": r, "node": <Ray node id>, "gpus": [ids]}]``.
+# ``[{"rank": r, "node": <Ray node id>, "gpus": [ids]}]``. The ranks also host the trainer side of the engines' weight
+# transfers (``open_transfer`` / ``send_weights``): every rank gathers each tensor on its device, rank 0 sends it.
 
 
 class LearnerRank:

@@ -9,14 +9,17 @@ decision (what to start where, batching, staleness, timeouts, accounting); this 
   runs), so env workers live in the actor's process next to their sampler. Actors are threaded (``max_concurrency``): a long ``poll`` never blocks
   ``submit`` / ``cancel`` / ``load_weights``.
 * Weight sync: vLLM engines built with a weight-transfer backend (``launch.weight_transfer``: gloo on CPU, NCCL /
-  CUDA IPC on GPUs; :mod:`agentenv.samplers.weight_transfer`) take vLLM's four-phase protocol: once the actors are
-  up, each engine and the driver (the trainer side: it holds the learner's exported full state dict, gathered from
-  every rank) open one group per engine; each :meth:`RayBackend.publish` then sends every layer to all engines
-  concurrently while each actor receives and loads (its policy holding generation off from start to finish, the
-  version moving only once the engine holds every tensor). Otherwise (``object_store``, the explicit fallback, or
-  an HF sampler) it does ONE ``ray.put`` of the state dict and every actor calls ``load_weights(state_dict,
-  version)`` on it. Either way the call returns when all live actors have the new version; samplers swap weights
-  between two generate calls (between turns). A restarted actor opens its own group and gets the current weights.
+  CUDA IPC on GPUs; :mod:`agentenv.samplers.weight_transfer`) take vLLM's four-phase protocol. Its trainer side is
+  hosted by the learner when the learner can (``hosts_weight_transfer``: a :class:`~.distributed.RayShardedLearner`,
+  whose ranks gather each tensor on their devices and rank 0 sends it; not with ``loop.fixed_lag``), else by this
+  process over the state dict the learner exports (on its own device for NCCL / IPC). Once the actors are up one
+  group is opened per engine; each :meth:`RayBackend.publish` then sends every layer to each engine while the actor
+  receives and loads (its policy holding generation off from start to finish, the version moving only once the
+  engine holds every tensor). Otherwise (``object_store``, the explicit fallback, or an HF sampler) it does ONE
+  ``ray.put`` of the state dict and every actor calls ``load_weights(state_dict, version)`` on it. Either way the
+  call returns when all live actors have the new version; samplers swap weights between two generate calls
+  (between turns). A restarted actor opens its own group and gets the current weights before it gets work (with
+  learner-hosted transfers at the next publish: the ranks serve one command stream, the learner thread's).
 * Completion: one outstanding long-poll per actor; ``ray.wait`` returns whichever actor has results first.
 * Faults: an actor process that dies (``ray.kill``, OOM, segfault) surfaces as ``RayActorError`` on its poll; a
   worker-level crash inside a live actor arrives as a ``died`` event. Either way the driver drops that worker's

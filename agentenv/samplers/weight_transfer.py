@@ -22,9 +22,14 @@ four phases end to end. Contract:
 * The engine side loads through vLLM's layerwise reload (initialised in ``start_weight_update``, finalised in
   ``finish_weight_update``), then on CPU re-packs the GEMM handles vLLM leaves stale
   (:func:`.vllm_support.repack_cpu_gemms`), exactly as :meth:`VLLMPolicy.load_weights` does.
-* :class:`StateDictSource` is the trainer's ``WeightSource`` over a state dict that is swapped per publish
-  (:meth:`StateDictSource.set`); ``device`` / ``dtype`` move and cast each tensor as it is sent (NCCL: the GPU and
-  bf16), so the full model is never copied at once.
+* Two ``WeightSource``s: :class:`ModelSource` over a live, possibly FSDP2-sharded model (what each learner rank
+  sends from: every rank gathers each tensor on its device in lockstep, cast to the wire dtype there) and
+  :class:`StateDictSource` over a state dict swapped per publish (:meth:`StateDictSource.set`; the driver's, when
+  the learner lives in the driver's process); ``device`` / ``dtype`` move and cast each tensor as it is sent.
+* :class:`TransferSender` holds one trainer engine per rollout engine in the process that sends (a learner rank or
+  the driver) and sends to a list of them: concurrently over a state dict, one after the other when iterating the
+  source is a collective; a failed engine is reported, not raised, after the source is drained so the other ranks'
+  gathers complete.
 * :func:`resolve_transport` picks the transport for ``launch.weight_transfer=auto``: ``gloo`` on CPU, ``ipc`` for a
   CUDA engine colocated with the learner, ``nccl`` for engines on other GPUs; ``object_store`` (Ray's, one
   ``ray.put`` per update) is only ever the explicit choice. :func:`trainer_engine` opens the trainer side of any of
