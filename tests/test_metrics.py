@@ -78,6 +78,22 @@ def test_logger_jsonl_tensorboard_line_and_collapse_alarm(tmp_path, caplog):
     assert json.loads((tmp_path / "eval.jsonl").read_text())["split"] == "valid"
 
 
+def test_malformed_call_alarm_fires_once_on_a_format_break_and_rearms(tmp_path, caplog):
+    """The demo's collapse on CI, as its metrics showed it: malformed blocks per trajectory 0.03-0.125 while it learned,
+    then 0.28, 0.88, 1.4 in three updates. Noise at the learning level never fires it."""
+    lines = []
+    lg = MetricsLogger(tmp_path, tensorboard=False, echo=lines.append)
+    malformed = [0.0, 0.06, 0.03, 0.125, 0.09, 0.0, 0.125, 0.28, 0.88, 1.4, 1.8, 0.0, 0.0, 0.0, 0.5, 0.6, 0.4]
+    with caplog.at_level(logging.WARNING, logger="agentenv.core.metrics"):
+        for i, x in enumerate(malformed, 1):
+            lg.log_update({"update": i, "tool_malformed_mean": x, "tool_call_rate": 0.5})
+    lg.close()
+    alarms = [r["malformed_call_alarm"] for r in read_metrics(tmp_path)]
+    assert alarms == [0] * 8 + [1, 1, 1, 1, 1, 0, 0, 1, 1]  # 0.125, 0.28, 0.88 average 0.43; re-armed after recovery
+    assert sum("TOOL-CALL FORMAT BREAKING" in r.message for r in caplog.records) == 2  # once per episode of it
+    assert "ALARM=malformed_calls" in lines[8] and "ALARM" not in lines[7]
+
+
 def test_plot_overlays_runs(tmp_path):
     for name, k in (("a", 1.0), ("b", 0.5)):
         lg = MetricsLogger(tmp_path / name, tensorboard=False, echo=None)

@@ -13,6 +13,10 @@ Contract:
 * Tool-call collapse alarm: with ``peak`` = the highest tool share (trajectories with >= 1 tool call) over the last
   ``window`` updates and ``now`` the mean of the last 3, it warns ``TOOL-CALL COLLAPSE`` once ``now < ratio * peak``
   (and peak >= 0.2), and sets ``tool_collapse_alarm`` = 1 in that update's metrics. It re-arms after recovery.
+* Malformed-call alarm: when the mean of ``tool_malformed_mean`` over the last 3 updates reaches
+  ``malformed_alarm`` (0.3 unparseable ``<tool_call>`` blocks per trajectory), it warns ``TOOL-CALL FORMAT BREAKING``
+  once and sets ``malformed_call_alarm`` = 1; it re-arms after recovery. The policy losing the call format comes
+  before the tool-call rate falls (the CPU demo: 0.1 -> 0.9 -> 1.4 malformed blocks in 3 updates, then no reward).
 * No-learning alarm (:mod:`agentenv.core.stall`): ``no_learning_updates`` updates in a row without an optimizer step or
   with every reward of the batch equal warn once with the reason and the fix (``no_learning_alarm`` = 1 then).
 """
@@ -126,7 +130,7 @@ def update_record(*, update: int, policy_version: int, mode: str, batch: Sequenc
 class MetricsLogger:
     def __init__(self, run_dir: str | Path | None, *, tensorboard: bool = True, wandb: bool = False,
                  collapse_window: int = 20, collapse_ratio: float = 0.3, config: dict | None = None,
-                 echo=print, no_learning_updates: int = 5):
+                 echo=print, no_learning_updates: int = 5, malformed_alarm: float = 0.3):
         from agentenv.core.stall import NoLearningWatch
 
         self.run_dir = Path(run_dir) if run_dir else None
@@ -135,6 +139,8 @@ class MetricsLogger:
         self.window = deque(maxlen=collapse_window)
         self.collapse_ratio = collapse_ratio
         self._alarmed = False
+        self.malformed_alarm, self._malformed = malformed_alarm, deque(maxlen=3)
+        self._malformed_alarmed = False
         self.stall = NoLearningWatch(no_learning_updates)  # warns once: K updates in a row that cannot learn
         self._tokens_total = 0
         self._f = self._tb = self._wandb = None
@@ -170,6 +176,7 @@ class MetricsLogger:
         if m.get("elapsed_s"):
             m["tokens_per_s"] = self._tokens_total / m["elapsed_s"]
         m["tool_collapse_alarm"] = int(self._collapse_check(m.get("tool_call_rate")))
+        m["malformed_call_alarm"] = int(self._malformed_check(m.get("tool_malformed_mean")))
         m["no_learning_alarm"] = int(self.stall.observe(m) is not None)
         self.history.append(m)
         step = int(m.get("update", len(self.history)))
@@ -203,6 +210,20 @@ class MetricsLogger:
                         now, 100 * self.collapse_ratio, peak, len(self.window))
         self._alarmed = collapsed
         return collapsed
+
+    def _malformed_check(self, malformed) -> bool:
+        if malformed is None:
+            return False
+        self._malformed.append(float(malformed))
+        now = sum(self._malformed) / len(self._malformed)
+        breaking = len(self._malformed) == 3 and now >= self.malformed_alarm
+        if breaking and not self._malformed_alarmed:
+            log.warning("TOOL-CALL FORMAT BREAKING: %.2f unparseable <tool_call> blocks per trajectory over the last 3 "
+                        "updates (alarm at %.2f). The policy is losing the call format; runs that lost it for good "
+                        "went to every reward 0 within a few updates. Check acceptance_rate and kl (a step too "
+                        "large for the gate), and lower algo.lr if it recurs.", now, self.malformed_alarm)
+        self._malformed_alarmed = breaking
+        return breaking
 
     def log_event(self, event: str, **fields) -> None:
         """A non-update row (e.g. the shutdown summary); :func:`read_metrics` skips it."""
@@ -252,6 +273,8 @@ def format_line(m: dict) -> str:
             parts.append(f"{short}={_fmt(m[key])}")
     if m.get("tool_collapse_alarm"):
         parts.append("ALARM=tool_collapse")
+    if m.get("malformed_call_alarm"):
+        parts.append("ALARM=malformed_calls")
     return " ".join(parts)
 
 
