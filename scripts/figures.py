@@ -88,7 +88,8 @@ def gate_extremes(metrics: Path) -> dict:
         return {}
     worst = min(recs, key=lambda r: r["num_admitted"])
     return {"min_admitted": worst["num_admitted"], "batch": worst["batch_size"],
-            "max_kl": max(r["seq_kl_mean"] for r in recs)}
+            "max_kl": max(r["seq_kl_mean"] for r in recs),
+            "max_malformed": max(r.get("tool_malformed_mean", 0.0) for r in recs)}
 
 
 def demo_table(rows: list[dict]) -> list[str]:
@@ -97,26 +98,29 @@ def demo_table(rows: list[dict]) -> list[str]:
 
     n = rows[0]["before"]["n"]
     lines = [f"| seed | warm start (SFT): success [95% CI] / tool-call rate | after {rows[0]['updates']} RL updates "
-             "| SFT held-out NLL per token (tool / guess) | gate: fewest admitted / peak KL | wall (min) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| SFT held-out NLL per token (tool / guess) | gate: fewest admitted / peak KL | peak malformed calls "
+             "| wall (min) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         nll, g = r["sft_nll"], r["gate"]
         gate = f"{g['min_admitted']} of {g['batch']} / {g['max_kl']:.3f}" if g else "-"
         lines.append(f"| {r['seed']} | {cell(r['before'])} | {cell(r['after'])} | "
                      f"{nll.get('tool', float('nan')):.3f} / {nll.get('guess', float('nan')):.3f} | {gate} | "
-                     f"{r['wall_min']:.1f} |")
+                     f"{g.get('max_malformed', float('nan')):.2f} | {r['wall_min']:.1f} |")
     after = [r["after"]["success"] for r in rows]
     tool = [r["after"]["tool"] for r in rows]
     if len(rows) > 1:
         lines.append(f"| mean ± sd | {statistics.mean(r['before']['success'] for r in rows):.2f} | "
                      f"{statistics.mean(after):.2f} ± {statistics.stdev(after):.2f} / "
-                     f"{statistics.mean(tool):.2f} ± {statistics.stdev(tool):.2f} | | | "
+                     f"{statistics.mean(tool):.2f} ± {statistics.stdev(tool):.2f} | | | | "
                      f"{statistics.mean(r['wall_min'] for r in rows):.1f} |")
     lines.append("")
     lines.append(f"Evaluated on the `{rows[0]['split']}` split: {n} questions from the held-out side of the demo's "
                  "question space (`agentenv.run.demo.is_heldout`), which no SFT demo or RL task is drawn from. Intervals: "
                  "Wilson, over the evaluation's episodes. Gate: over the run's updates, the fewest trajectories of a batch the "
-                 "trust gate admitted and the largest batch-mean sequence KL (delta = 1e-3).")
+                 "trust gate admitted and the largest batch-mean sequence KL (delta = 1e-3); peak malformed calls: the most "
+                 "unparseable `<tool_call>` blocks per trajectory in one update (the tool-call format breaking; "
+                 "0.3 over 3 updates raises the run's `TOOL-CALL FORMAT BREAKING` alarm).")
     return lines
 
 

@@ -126,6 +126,9 @@ class AlgoConfig(_Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.1, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
+    # AdamW's epsilon: a coordinate whose gradient stays far below it moves less than lr per step (Adam moves every
+    # coordinate ~lr, however small its gradient, when eps is negligible)
+    eps: float = Field(1e-8, gt=0)
     # tail averaging: the run's final weights (final evaluation, final_model) are the uniform mean of the weights
     # after each of the last N updates (all of them when the run is shorter, e.g. a smoke); 0 = the last update's
     # weights. Rollouts always sample the current weights.
