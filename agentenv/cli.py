@@ -163,7 +163,8 @@ def _add_sft(sub) -> None:
                                                        "or builtin:NAME for shipped demos (builtin:alfworld_demos)")
     p.add_argument("--env", default=None, help="MODULE:ENV_ID, id or alias: --demos is then a JSONL of chats "
                    "(docs/tool_envs.md), each played in this env to get the tokens RL will see")
-    p.add_argument("--num-demos", type=int, default=1000)
+    p.add_argument("--num-demos", type=int, default=None,
+                   help="scripted: how many to generate (default 1000); a file: use only its first N (default: all)")
     p.add_argument("--tool-fraction", type=float, default=0.25, help="scripted demos: share that call the tool")
     p.add_argument("--all", action="store_true", help="also imitate unsuccessful demos (default: successes only)")
     p.add_argument("--epochs", type=int, default=3)
@@ -200,20 +201,22 @@ def cmd_sft(args) -> int:
         try:
             demos = env_demos(args.env, path, tok, max_tokens=args.max_tokens, only_successful=not args.all,
                               limit=args.num_demos)
+            _said_limit(path, args.num_demos)
         except (DemoError, ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         demos, heldout = split_heldout(demos, args.heldout_demos, seed=args.seed)
     elif args.demos == "scripted":
-        demos = demo.demo_trajectories(tok, args.num_demos, args.tool_fraction, seed=args.seed + 1)
+        demos = demo.demo_trajectories(tok, args.num_demos or 1000, args.tool_fraction, seed=args.seed + 1)
         heldout = demo.demo_trajectories(tok, args.heldout_demos, args.tool_fraction, seed=args.seed + 2,
                                          split="heldout")
     else:
         raw = []
         for t in iter_jsonl(path):
-            raw.append(t)
-            if len(raw) >= args.num_demos:
+            if args.num_demos is not None and len(raw) >= args.num_demos:
                 break
+            raw.append(t)
+        _said_limit(path, args.num_demos)
         demos = prepare_demos(raw, tok, only_successful=not args.all, max_tokens=args.max_tokens)
         demos, heldout = split_heldout(demos, args.heldout_demos, seed=args.seed)
     r = train_sft(model, demos, SFTConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
@@ -224,6 +227,18 @@ def cmd_sft(args) -> int:
           f"{r['loss_last']:.3f} (last epoch) "
           f"wall={r['wall_s']:.0f}s -> {out}")
     return 0
+
+
+def _said_limit(path, limit: int | None) -> None:
+    """A file cut short by --num-demos says so (a silent cap once hid 600 of a user's 1,600 demos)."""
+    if limit is None:
+        return
+    import lzma
+
+    with (lzma.open if str(path).endswith(".xz") else open)(path, "rb") as f:
+        total = sum(1 for line in f if line.strip())
+    if total > limit:
+        print(f"sft: using the first {limit} of the {total} demos in {path} (--num-demos {limit})")
 
 
 def _add_eval(sub) -> None:

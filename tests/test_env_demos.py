@@ -157,3 +157,17 @@ def test_sft_from_the_cli_on_chat_demos(user_dir, capsys):
                  "--epochs", "2", "--batch-size", "3"]) == 0
     assert "sft demos=3 steps=2" in capsys.readouterr().out
     assert (user_dir / "m" / "config.json").exists()
+
+
+def test_sft_uses_every_demo_of_a_file_unless_told_and_says_when_it_cuts(user_dir, capsys):
+    """A file's demos are all used by default (a silent cap of 1,000 once hid 600 of a user's 1,600); --num-demos N
+    keeps the first N and says so."""
+    (user_dir / "demos.jsonl").write_text("".join(json.dumps(demo(k % 3)) + "\n" for k in range(1005)))
+    args = ["sft", "--env", "shop_env:Shop-v0", "--demos", "demos.jsonl", "--model", "tiny-bpe", "--epochs", "1",
+            "--batch-size", "1024", "--heldout-demos", "0"]
+    assert main([*args, "--out", "all"]) == 0
+    out = capsys.readouterr().out
+    assert "sft demos=1005 " in out and "using the first" not in out
+    assert main([*args, "--out", "some", "--num-demos", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "sft: using the first 4 of the 1005 demos in demos.jsonl (--num-demos 4)" in out and "sft demos=4 " in out

@@ -172,8 +172,9 @@ def run_demo(cfg, *, progress: bool = True, echo=print) -> int:
     s = cfg.sft
     what = {"scripted": f"{s.num_demos} scripted demos ({s.tool_fraction:.0%} use the tool)",
             "expert": f"{s.num_demos} expert demos (noise {s.expert_noise:g})"}.get(s.demos, f"demos from {s.demos}")
+    warm = f"SFT warm start on {what}" if s.enabled else "no SFT warm start (sft.enabled=false)"
     echo(f"agentenv demo: env {cfg.env.id}, model {cfg.model.name}, {cfg.loop.total_updates} updates x "
-         f"{cfg.loop.batch_size} trajectories, SFT warm start on {what}")
+         f"{cfg.loop.batch_size} trajectories, {warm}")
     e = cfg.eval
     when = " and ".join(w for w, on in (("before", e.at_start), ("after", e.at_end)) if on)
     if when:
