@@ -66,6 +66,16 @@ def test_bad_values_are_clear_errors():
         load_config("demo", [], ["rollout.top_p=1.5"])
     with pytest.raises(ConfigError, match="group_size"):
         load_config("demo", [], ["loop.group_size=4"])  # async is one rollout per prompt
+    with pytest.raises(ConfigError, match=r"algo\.betas.*\[0, 1\)"):
+        load_config("demo", [], ["algo.betas=[0.9, 1.0]"])
+
+
+def test_adamw_settings_reach_the_learners_optimizer():
+    from agentenv.trainer.learner import learner_config_from
+
+    c = load_config("demo", [], ["algo.betas=[0.8, 0.99]", "algo.eps=1e-7"])
+    lc = learner_config_from(c)
+    assert (lc.betas, lc.eps) == ((0.8, 0.99), 1e-7)
 
 
 def test_unknown_variant_and_preset():

@@ -129,6 +129,8 @@ class AlgoConfig(_Section):
     # AdamW's epsilon: a coordinate whose gradient stays far below it moves less than lr per step (Adam moves every
     # coordinate ~lr, however small its gradient, when eps is negligible)
     eps: float = Field(1e-8, gt=0)
+    # AdamW's (beta1, beta2), each in [0, 1)
+    betas: tuple[float, float] = (0.9, 0.999)
     # tail averaging: the run's final weights (final evaluation, final_model) are the uniform mean of the weights
     # after each of the last N updates (all of them when the run is shorter, e.g. a smoke); 0 = the last update's
     # weights. Rollouts always sample the current weights.
@@ -137,6 +139,13 @@ class AlgoConfig(_Section):
     # top-k / top-p < 1 make mu != pi even at lag 0; the run refuses settings whose lag-0 gate would reject
     # (almost) everything unless this is set
     allow_truncated_sampling: bool = False
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v):
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each of AdamW's betas must be in [0, 1), got {list(v)}")
+        return v
 
     @field_validator("loss", mode="before")
     @classmethod
