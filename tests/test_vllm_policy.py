@@ -421,7 +421,8 @@ def test_gloo_weight_transfer_equals_load_weights(vpolicy, ref, base_state):
 
     from agentenv.samplers.tiny import TinyConfig, tiny_model
     from agentenv.samplers.vllm_policy import VLLMPolicyFactory
-    from agentenv.samplers.weight_transfer import ModelSource, PolicyClient, StateDictSource, trainer_engine
+    from agentenv.samplers.weight_sources import ModelSource, StateDictSource
+    from agentenv.samplers.weight_transfer import PolicyClient, trainer_engine
 
     prompt = prompts(vpolicy.tokenizer)[1]
     req = GenerationRequest(prompt, SamplingParams(temperature=1.0, top_k=20, max_new_tokens=12), seed=11)
@@ -541,7 +542,7 @@ def test_ray_actor_engine_takes_published_weights(vpolicy, ref, base_state):
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     # tests/ is not importable in a Ray worker: ship this module's actor class by value (the loop's own actor class,
-    # agentenv.trainer.ray_backend.RayRolloutWorker, is importable and goes by reference).
+    # agentenv.trainer.ray_worker.RayRolloutWorker, is importable and goes by reference).
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     actor = None
     try:

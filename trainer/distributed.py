@@ -254,9 +254,10 @@ class LearnerRank:
     def open_transfer(self, key, transport: str, engine_actor, world_size: int, dtype_name: str) -> None:
         import ray
 
-        from agentenv.samplers.weight_transfer import ModelSource, TransferSender
+        from agentenv.samplers.weight_sources import ModelSource
+        from agentenv.samplers.weight_transfer import TransferSender
 
-        from .ray_backend import ActorClient
+        from .ray_worker import ActorClient
 
         if self.sender is None:  # gloo sends the master weights as they are; NCCL / IPC in the engine's dtype
             dtype = getattr(torch, dtype_name) if transport in ("nccl", "ipc") else None

@@ -3,7 +3,7 @@
 Same algorithm code path as the local backend: the driver's :class:`~agentenv.trainer.loop.Trainer` makes every
 decision (what to start where, batching, staleness, timeouts, accounting); this module only moves calls and data.
 
-* Each actor (:class:`RayRolloutWorker`) owns its sampler -- ``make_policy(worker_index)``: an HFPolicy on CPU, or a
+* Each actor (:class:`~.ray_worker.RayRolloutWorker`) owns its sampler -- ``make_policy(worker_index)``: an HFPolicy on CPU, or a
   vLLM engine (``model.backend=vllm``: one engine per actor; give the actor ``launch.worker_num_gpus`` on a GPU
   cluster) -- its envs and a :class:`~agentenv.trainer.workers.RolloutWorker` (the same class the local backend
   runs), so env workers live in the actor's process next to their sampler. Actors are threaded (``max_concurrency``): a long ``poll`` never blocks
@@ -40,96 +40,17 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
 
 from agentenv.core.config import LaunchConfig, LoopConfig
 from agentenv.core.runtime import EpisodeSpec, RolloutConfig
-from agentenv.core.serving import request_server
 
-from .placement import init_ray, where
-from .workers import RolloutWorker, sampler_kind
+from .placement import init_ray
+from .ray_worker import READY_TIMEOUT_S, ActorClient, RayRolloutWorker
 
 log = logging.getLogger("agentenv.trainer.ray")
-# An actor that cannot be scheduled is refused earlier (preflight, placement group); this bounds a slow start only
-# (a vLLM engine on a loaded CPU box takes minutes).
-READY_TIMEOUT_S = 1200
-
-
-class RayRolloutWorker:
-    """Actor body (wrapped with ``ray.remote`` by :class:`RayBackend`)."""
-
-    def __init__(self, worker_id: int, make_env: Callable, make_policy: Callable, rollout_cfg: RolloutConfig):
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        self.policy = make_policy(worker_id)
-        self.batcher = request_server(self.policy) if hasattr(self.policy, "generate") else None
-        self.worker = RolloutWorker(worker_id, make_env, self.policy, rollout_cfg, self.batcher)
-
-    def ready(self) -> int:
-        return os.getpid()
-
-    def submit(self, eid: int, task: EpisodeSpec) -> None:
-        self.worker.submit(eid, task)
-
-    def cancel(self, eid: int) -> None:
-        self.worker.cancel(eid)
-
-    def poll(self, timeout: float) -> list:
-        return self.worker.poll(timeout)
-
-    def load_weights(self, state_dict: dict, version: int) -> int:
-        self.worker.load_weights(state_dict, version)
-        return version
-
-    # the engine side of a weight transfer (agentenv.samplers.vllm_transfer), driven by ActorClient
-    def transfer_spec(self) -> dict:
-        spec = getattr(self.policy, "transfer_spec", None)
-        return spec() if callable(spec) else {"transport": "object_store"}
-
-    def init_weight_transfer(self, init_info: dict) -> None:
-        self.policy.init_weight_transfer(init_info)
-
-    def start_weight_update(self) -> None:
-        self.policy.start_weight_update()
-
-    def receive_weights(self, update_info) -> None:
-        self.policy.receive_weights(update_info)
-
-    def finish_weight_update(self, version: int) -> int:
-        return self.policy.finish_weight_update(version)
-
-    def sleep(self) -> None:
-        getattr(self.policy, "sleep", lambda: None)()
-
-    def wake_up(self) -> None:
-        getattr(self.policy, "wake_up", lambda: None)()
-
-    def sampler_kind(self) -> str:
-        return sampler_kind(self.policy)
-
-    def where(self) -> dict:
-        return where()
-
-    def play(self, make_env: Callable, tasks: list, rollout_cfg: RolloutConfig) -> list:
-        """Evaluation on this actor's sampler: every task once, next to (sharing the engine with) training episodes."""
-        from agentenv.core.runtime import run_episodes
-
-        return run_episodes(make_env, self.policy, len(tasks), rollout_cfg, tasks=tasks)
-
-    def crash(self) -> None:
-        """Fault injection from the driver: a worker-level crash inside a live actor."""
-        self.worker.kill()
-
-    def close(self) -> int:
-        left = self.worker.close()
-        if self.batcher is not None:
-            self.batcher.close()
-        close = getattr(self.policy, "close", None)
-        if callable(close):
-            close()
-        return left
 
 
 class _Handle:
@@ -140,29 +61,6 @@ class _Handle:
         self.starting_ref = None  # a restarted actor's ready() call; it gets work once this resolves
         self.transfer = False  # its weight-transfer group is open (False: object store, or not yet)
         self.pending = False  # restarted, up, waiting for the weights the next publish sends
-
-
-class ActorClient:
-    """vLLM's ``VLLMWeightSyncClient`` for one rollout actor: the four control-plane calls as actor calls (the actor
-    is threaded, so its receive runs while the driver sends). ``version`` is what the update sets the engine to."""
-
-    def __init__(self, ray, actor):
-        self.ray, self.actor, self.version = ray, actor, None
-
-    def _call(self, method: str, *args):
-        return self.ray.get(getattr(self.actor, method).remote(*args), timeout=READY_TIMEOUT_S)
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._call("init_weight_transfer", init_info)
-
-    def start_weight_update(self) -> None:
-        self._call("start_weight_update")
-
-    def update_weights(self, update_info) -> None:
-        self._call("receive_weights", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call("finish_weight_update", self.version)
 
 
 class RayBackend:
@@ -260,7 +158,8 @@ class RayBackend:
             raise RuntimeError(f"the rollout engines were built for different weight transports {sorted(kinds)}")
         import torch
 
-        from agentenv.samplers.weight_transfer import StateDictSource, TransferSender
+        from agentenv.samplers.weight_sources import StateDictSource
+        from agentenv.samplers.weight_transfer import TransferSender
 
         self._transport, self._dtype = kinds.pop(), specs[0]["dtype"]
         if self._host is None:  # NCCL / IPC: sent from a GPU in the engine's dtype, one tensor at a time
