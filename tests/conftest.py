@@ -31,3 +31,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "vllm" in item.keywords:
             item.add_marker(skip)
+
+
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _exit_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the test process once pytest has reported: run the atexit handlers (ours reap sandboxes and containers,
+    Ray's shuts its driver down), flush, and ``os._exit`` with pytest's status, skipping the interpreter's module
+    teardown and the C++ static destructors after it. In that stretch torch, Ray and gloo native threads left by
+    earlier tests can still run, and a CI run whose 663 tests had all passed died there with SIGSEGV and no Python
+    stack (faulthandler is already off by then). Nothing a test asserts happens after this point.
+    ``AGENTENV_TEST_FULL_FINALIZE=1`` keeps the normal interpreter exit, to chase such a crash."""
+    import atexit
+    import sys
+
+    if not _exit_status or os.environ.get("AGENTENV_TEST_FULL_FINALIZE") == "1":
+        return
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status[-1])
