@@ -2,6 +2,8 @@
 
     python scripts/figures.py demo --seeds 0 1 2 3 4             # run what is missing, then write docs/demo.md
     python scripts/figures.py demo --seeds 0 1 2 3 4 --no-run    # only read the saved runs
+    python scripts/figures.py ablations --parts 1/4               # a quarter of what is left of the study
+    python scripts/figures.py ablations --no-run                  # only read the saved results
 
 Each figure has a run root (``runs/figures/<figure>/``) holding one run directory per seed; a seed whose run finished
 (its ``demo_result.json`` exists) is read, not rerun, so a long study runs in parts and resumes where it stopped. A run
@@ -12,6 +14,11 @@ Figures:
 
 * ``demo`` -- ``agentenv demo`` (the README's first command) on seeds: held-out success and tool-call rate before and
   after RL with Wilson intervals, SFT's held-out NLL per demo kind, wall time per run. Writes ``docs/demo.md``.
+* ``ablations`` -- the paper's ablations in miniature (``benchmarks/ablations.py``: variants x seeds, held-out
+  evaluation, Welch + Holm). Each finished run is saved as it ends under ``runs/figures/ablations/``; ``--parts I/N``
+  runs a slice of what is left, so the hours it takes can be spent in parts. Writes ``docs/results.md``.
+
+The ALFWorld demo's figure has no runner yet: docs/alfworld.md states that it is unmeasured on the current code.
 """
 
 from __future__ import annotations
@@ -165,6 +172,15 @@ def figure_demo(args) -> int:
     return 0
 
 
+def figure_ablations(args) -> int:
+    """The study's own script does the work (resumable per run); this only fixes where its runs and table live."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "ablations.py"), "--root", str(Path(args.runs) / "ablations"),
+           "--out", str(args.out or ROOT / "docs" / "results.md"), *args.study]
+    cmd += ["--report-only"] if args.no_run else ["--parts", args.parts]
+    print(f"figures: {' '.join(cmd[1:])}", flush=True)
+    return subprocess.run(cmd, check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="figure", required=True)
@@ -178,8 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--no-readme", dest="readme", action="store_false", help="leave the README's table alone")
     d.add_argument("--set", dest="extra", action="append", default=[], type=lambda kv: f"--set={kv}",
                    help="an extra --set for every run")
+    a = sub.add_parser("ablations", help="the ablation study (resumable, in parts) -> docs/results.md")
+    a.add_argument("--runs", default=str(ROOT / "runs" / "figures"), help="run root (resumable)")
+    a.add_argument("--parts", default="1/1", metavar="I/N", help="run the I-th of N slices of what is left")
+    a.add_argument("--no-run", action="store_true", help="only read saved results")
+    a.add_argument("--out", default=None, help="where to write the report (default docs/results.md)")
+    a.add_argument("study", nargs=argparse.REMAINDER, help="after --: benchmarks/ablations.py's own options "
+                   "(--seeds, --only, --updates, ...)")
     args = p.parse_args(argv)
-    return {"demo": figure_demo}[args.figure](args)
+    if getattr(args, "study", None) and args.study[0] == "--":
+        args.study = args.study[1:]
+    return {"demo": figure_demo, "ablations": figure_ablations}[args.figure](args)
 
 
 if __name__ == "__main__":

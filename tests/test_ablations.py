@@ -103,3 +103,24 @@ def test_ablation_verdicts_come_from_the_tests(tmp_path):
     assert "- **reproduce**: grpo_tool_calls" in text and "[0." in text  # mean [95% CI] cells
     ps = [t["p"] for t in tested.values()]
     assert [t["p_holm"] for t in tested.values()] == pytest.approx(REP.holm(ps))
+
+
+def test_the_figure_script_writes_the_ablation_table_from_saved_results(tmp_path):
+    """`scripts/figures.py ablations --no-run` runs nothing: it reads the saved results under its run root and writes
+    the stamped report where it is told."""
+    import subprocess
+
+    root = tmp_path / "ablations" / "results"
+    root.mkdir(parents=True)
+    for v in ("flashreinforce", "grpo"):
+        for seed in range(3):
+            r = _result(v, seed, 0.5 + 0.01 * seed, 0.7 if v == "flashreinforce" else 0.2 + 0.01 * seed, 20.0)
+            (root / f"{v}-seed{seed}.json").write_text(json.dumps(r))
+    out = tmp_path / "results.md"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "figures.py"), "ablations", "--no-run", "--runs",
+                           str(tmp_path), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "--report-only" in text and "commit " in text and "UTC" in text
+    assert "| flashreinforce | 3 |" in text and "| grpo | 3 |" in text and "not tested" in text
+    assert not (tmp_path / "ablations" / "runs").exists()  # nothing was run
