@@ -91,7 +91,7 @@ def test_ablation_verdicts_come_from_the_tests(tmp_path):
             r = _result(v, seed, succ + rng.gauss(0, noise), tool + rng.gauss(0, 0.01), length + rng.gauss(0, 1))
             (tmp_path / "results" / f"{v}-seed{seed}.json").write_text(json.dumps(r))
     settings = {"alpha": 0.05, "easy": 0.3, "updates": 30, "batch": 16, "lag": 8, "eval_episodes": 128,
-                "variants": list(ABL.VARIANTS)}
+                "variants": list(ABL.VARIANTS), "seeds": list(range(8))}
     text = REP.write(tmp_path, tmp_path / "results.md", settings=settings, command="test", smoke=False)
     results, warm = REP.load(tmp_path)
     tested = REP.run_tests(results, warm, 0.05)
@@ -101,6 +101,7 @@ def test_ablation_verdicts_come_from_the_tests(tmp_path):
     assert tested["trust_gate_under_lag"]["runs_needed"] > 8 and tested["trust_gate_under_lag"]["mde"] > REP.PAPER_GAP
     assert "failure_filter_q0.9" not in tested and "| failure_filter_q0.9 |" in text  # no q0.9 runs: not tested
     assert "- **reproduce**: grpo_tool_calls" in text and "[0." in text  # mean [95% CI] cells
+    assert "in progress: 48 of its 64 runs" in text  # 6 of 8 variants planted: the report says it is partial
     ps = [t["p"] for t in tested.values()]
     assert [t["p_holm"] for t in tested.values()] == pytest.approx(REP.holm(ps))
 
@@ -123,4 +124,5 @@ def test_the_figure_script_writes_the_ablation_table_from_saved_results(tmp_path
     text = out.read_text()
     assert "--report-only" in text and "commit " in text and "UTC" in text
     assert "| flashreinforce | 3 |" in text and "| grpo | 3 |" in text and "not tested" in text
+    assert "in progress: 6 of its 128 runs (8 variants x 16 seeds)" in text
     assert not (tmp_path / "ablations" / "runs").exists()  # nothing was run
