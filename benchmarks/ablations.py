@@ -3,8 +3,9 @@ tool task, many seeds, evaluated on held-out questions, compared by tests.
 
 What it does (``python benchmarks/ablations.py``):
 
-1. ONE SFT warm start of the demo's tiny model (preset ``demo``), shared by every run, and one held-out evaluation
-   of it (``ROOT/warm_start.json``): variants differ only in the RL algorithm and the seed.
+1. ONE SFT warm start of the demo's tiny model (preset ``demo``, its demos drawn from the same task mix as RL's,
+   easy questions included), shared by every run, and one held-out evaluation of it (``ROOT/warm_start.json``):
+   variants differ only in the RL algorithm and the seed.
 2. The task is the demo's with ``env.demo_easy_fraction`` (``--easy``, default 0.3) of easy questions (``A * 100``,
    which the no-tool guess answers right): giving the tool up is sometimes rewarded, so GRPO's tool-call collapse
    can show, and answers may grow (token mean vs sample mean).
@@ -106,11 +107,15 @@ def warm_start_once(args, root: Path) -> str:
     from agentenv.run.train import warm_start
 
     out = root / "sft_model"
-    cfg = load_config("demo", [], SMOKE_SFT if args.smoke else [])
+    cfg = load_config("demo", [], [f"env.demo_easy_fraction={args.easy}", *(SMOKE_SFT if args.smoke else [])])
     stamp = root / "sft_settings.json"
-    settings = json.dumps({"sft": cfg.sft.model_dump(), "model": cfg.model.name, "seed": cfg.loop.seed})
+    settings = json.dumps({"sft": cfg.sft.model_dump(), "model": cfg.model.name, "seed": cfg.loop.seed,
+                           "easy_fraction": cfg.env.demo_easy_fraction})
     if (out / "config.json").exists() and stamp.exists() and stamp.read_text() == settings:
         return str(out)
+    if stamp.exists() or any((root / "results").glob("*.json")):  # results of another warm start must not mix in
+        raise SystemExit(f"ablations: {root} holds runs from a warm start with other settings ({stamp.name} differs); "
+                         "give a new --root, or move that one aside")
     import torch
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))

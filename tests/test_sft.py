@@ -91,6 +91,21 @@ def test_easy_questions_are_answered_right_without_the_tool():
         load_config("python_tool", [], ["env.demo_easy_fraction=0.3"])
 
 
+def test_the_warm_starts_demos_ask_what_rl_asks(qwen_tok):
+    """With easy questions in the RL mix, the scripted SFT demos hold them too (both paths, the guess right on them),
+    so the warm start has seen their layout; the default mix is unchanged, question for question."""
+    mixed = demo_trajectories(qwen_tok, 200, tool_fraction=0.3, easy_fraction=0.3)
+    easy = [t for t in mixed if t.task_type == "multiply_easy"]
+    assert 30 <= len(easy) <= 100 and {t.meta["demo_kind"] for t in easy} == {"tool", "guess"}
+    guess = next(t for t in easy if t.meta["demo_kind"] == "guess")
+    a = qwen_tok.decode(guess.token_ids).split("What is ")[-1].split(" * ")[0]
+    assert f"\\boxed{{{int(a) * 100}}}" in qwen_tok.decode(guess.token_ids)  # the guess is the right answer there
+    plain = [qwen_tok.decode(t.token_ids) for t in demo_trajectories(qwen_tok, 50, tool_fraction=0.3)]
+    assert plain == [qwen_tok.decode(t.token_ids) for t in demo_trajectories(qwen_tok, 50, tool_fraction=0.3,
+                                                                             easy_fraction=0.0)]
+    assert all(t.task_type == "multiply" for t in demo_trajectories(qwen_tok, 50, tool_fraction=0.3))
+
+
 def test_tool_fraction_and_wrong_direct_answers(tok):
     demos = demo_trajectories(tok, 40, tool_fraction=0.25, seed=5)
     share = sum(d.num_tool_calls > 0 for d in demos) / len(demos)

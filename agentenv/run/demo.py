@@ -103,15 +103,18 @@ def tool_schemas() -> list[dict]:
 
 
 def demo_trajectories(tokenizer, n: int, tool_fraction: float = 0.25, seed: int = 1, tools: list[dict] | None = None,
-                      split: str = "train"):
+                      split: str = "train", easy_fraction: float = 0.0):
     """``n`` token-level demos (success marked True so SFT keeps them all: they are what we want imitated), each
-    with ``meta["demo_kind"]`` "tool" or "guess". ``split="heldout"`` draws fresh ones for measuring, never training."""
+    with ``meta["demo_kind"]`` "tool" or "guess". ``split="heldout"`` draws fresh ones for measuring, never training.
+    ``easy_fraction``: the RL task mix's share of easy questions (``env.demo_easy_fraction``), so the warm start has
+    seen their layout (a 3-digit ``100``) and both of its answers to them -- a tiny model never shown one answers
+    it with garbage, whichever path it takes."""
     from agentenv.run.sft import trajectory_from_messages
 
     rng = random.Random(seed)
     tools = tools if tools is not None else tool_schemas()
     out = []
-    for task in demo_tasks(n, seed=seed + 10_000, split=split):  # never the RL tasks' seed
+    for task in demo_tasks(n, seed=seed + 10_000, split=split, easy_fraction=easy_fraction):  # not RL's seed
         prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.question}]
         use = rng.random() < tool_fraction
         t = trajectory_from_messages(tokenizer, prompt + scripted_demo(task, use, rng), tools,

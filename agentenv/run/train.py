@@ -353,10 +353,11 @@ def warm_start(cfg: RunConfig, model_path: str, out: Path, *, progress: bool = T
     model.to(sft_device(cfg.model.device))
     s = cfg.sft
     if s.demos == "scripted":
-        demos = demo.demo_trajectories(tok, s.num_demos, s.tool_fraction, seed=cfg.loop.seed + 1)
+        easy = cfg.env.demo_easy_fraction  # the demos ask what RL will ask
+        demos = demo.demo_trajectories(tok, s.num_demos, s.tool_fraction, seed=cfg.loop.seed + 1, easy_fraction=easy)
         # fresh questions from the held-out side of the demo's question space: never trained on
         heldout = demo.demo_trajectories(tok, s.heldout_demos, s.tool_fraction, seed=cfg.loop.seed + 2,
-                                         split="heldout") if s.heldout_demos else []
+                                         split="heldout", easy_fraction=easy) if s.heldout_demos else []
     else:
         raw = (expert_demos(cfg, out.parent / "sft_demos.jsonl", progress=progress, echo=echo) if s.demos == "expert"
                else list(iter_jsonl(demos_path(s.demos)))[: s.num_demos])
