@@ -66,9 +66,11 @@ def test_easy_questions_are_answered_right_without_the_tool():
 
     mixed = demo_tasks(400, seed=7, easy_fraction=0.5)
     easy = [t for t in mixed if t.type == "multiply_easy"]
-    assert 140 <= len(easy) <= 260 and all(t.question.endswith(" * 100?") for t in easy)
+    assert 140 <= len(easy) <= 260 and all(t.question.endswith(" * 100") for t in easy)
+    tok = qwen_tokenizer()  # the same token count as a hard question: a tiny model copies A at the same offsets
+    assert {len(tok.encode(t.question)) for t in mixed} == {12}
     held = demo_tasks(50, seed=0, split="heldout", easy_fraction=0.5)
-    assert all(is_heldout(*map(int, t.question[8:-1].split(" * "))) for t in held)
+    assert all(is_heldout(*map(int, t.question[8:].rstrip("?").split(" * "))) for t in held)
     assert all(t.type == "multiply" for t in demo_tasks(200, seed=7))
     pair = [easy[0], next(t for t in mixed if t.type == "multiply")]
     env = gym.make(ENV_ID, tasks=[t.__dict__ for t in pair], system_prompt=SYSTEM_PROMPT, tool_doc=TOOL_DOC,
@@ -99,6 +101,7 @@ def test_the_warm_starts_demos_ask_what_rl_asks(qwen_tok):
     assert 30 <= len(easy) <= 100 and {t.meta["demo_kind"] for t in easy} == {"tool", "guess"}
     guess = next(t for t in easy if t.meta["demo_kind"] == "guess")
     a = qwen_tok.decode(guess.token_ids).split("What is ")[-1].split(" * ")[0]
+    assert "* 100<|im_end|>" in qwen_tok.decode(guess.token_ids)
     assert f"\\boxed{{{int(a) * 100}}}" in qwen_tok.decode(guess.token_ids)  # the guess is the right answer there
     plain = [qwen_tok.decode(t.token_ids) for t in demo_trajectories(qwen_tok, 50, tool_fraction=0.3)]
     assert plain == [qwen_tok.decode(t.token_ids) for t in demo_trajectories(qwen_tok, 50, tool_fraction=0.3,
@@ -221,7 +224,7 @@ def test_demo_questions_split_into_train_and_heldout_sides():
     train, held = demo_tasks(400, seed=0), demo_tasks(100, seed=0, split="heldout")
     assert len({t.question for t in train}) == 400 and len({t.question for t in held}) == 100
     assert not {t.question for t in train} & {t.question for t in held}
-    assert all(is_heldout(*map(int, t.question[8:-1].split(" * "))) for t in held)
+    assert all(is_heldout(*map(int, t.question[8:].rstrip("?").split(" * "))) for t in held)
     assert 0.08 < sum(is_heldout(a, b) for a in range(3000, 3400) for b in range(34, 100)) / (400 * 66) < 0.17
     with pytest.raises(ValueError, match="splits"):
         demo_tasks(1, split="valid")

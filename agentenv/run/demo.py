@@ -9,8 +9,8 @@ Contract:
   RL tasks and SFT demos are drawn only from the ``"train"`` side, the demo's evaluation and the SFT report's
   held-out NLL only from the ``"heldout"`` side, so no evaluated question was ever trained on, whatever the seeds
   and counts.
-  ``easy_fraction`` (default 0, the demo itself) asks that share of the questions as ``A * 100`` instead (task type
-  ``multiply_easy``): there the no-tool guess is right, so answering without the tool is sometimes rewarded -- the
+  ``easy_fraction`` (default 0, the demo itself) asks that share of the questions as ``What is A * 100`` instead
+  (task type ``multiply_easy``; no "?", so the prompt keeps the hard questions' token count): there the no-tool guess is right, so answering without the tool is sometimes rewarded -- the
   ablations' task family, on which a policy can give the tool up (``env.demo_easy_fraction``).
 * :func:`scripted_demo` -- the messages of one demonstration: with the tool (call python, then copy its output into
   ``\\boxed{}``) or without (answer at once with a rough but always wrong guess: ``A * 100``). :func:`demo_trajectories` builds ``n`` of them with a given tool share through
@@ -65,7 +65,11 @@ def demo_tasks(n: int, seed: int = 0, split: str = "train", easy_fraction: float
         if is_heldout(a, b) != (split == "heldout") or (a, b) in seen:
             continue
         seen.add((a, b))
-        out.append(Task(f"What is {a} * {b}?", str(a * b), id=f"mul-{split}-{seed}-{len(out)}",
+        # An easy question drops its "?": Qwen's tokenizer splits digits, so "100" is a token longer than a two-digit
+        # B, and a tiny model that copies A at fixed offsets miscopied A on nearly every "A * 100?" (held-out easy
+        # success 0.02 after RL); without the "?" the prompt has the hard questions' length token for token.
+        question = f"What is {a} * {b}" + ("" if easy else "?")
+        out.append(Task(question, str(a * b), id=f"mul-{split}-{seed}-{len(out)}",
                         type="multiply_easy" if easy else "multiply"))
     return out
 
