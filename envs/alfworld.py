@@ -7,7 +7,8 @@ Contract
   shuffling) and ``AlfredInfos`` wrappers, requesting ``won`` and ``admissible_commands``.
 * Data root and splits: :mod:`agentenv.envs.alfworld_data` (``data_dir``, else ``$ALFWORLD_DATA``, else
   ``~/.cache/alfworld``, else the shipped sample; ``builtin:sample`` / ``builtin:demo``); a split missing from the
-  root is a :class:`ALFWorldDataError` that says how to get the data. A split's games, sorted by path, are its
+  root is a :class:`ALFWorldDataError` that says how to get the data. ``dev_games=N`` holds N train games out of
+  ``train`` as split ``dev`` (:func:`~agentenv.envs.alfworld_data.dev_and_train`). A split's games, sorted by path, are its
   deterministic evaluation order. Prompts and reply parsing: :mod:`agentenv.envs.alfworld_text`; textworld's lock and
   memos: :mod:`agentenv.envs.alfworld_textworld` (all re-exported here).
 * Game selection: ``reset(options={"game": i})`` plays the split's i-th game, ``{"game": path}`` a game by path
@@ -95,6 +96,7 @@ class ALFWorldEnv(TextEnv):
         nearest_match: bool = False,
         restate_goal: bool = False,
         compact_list: bool = False,
+        dev_games: int = 0,
         render_mode: str | None = None,
     ):
         super().__init__(render_mode=render_mode)
@@ -104,7 +106,7 @@ class ALFWorldEnv(TextEnv):
             raise ValueError(f"invalid_action_budget must be >= 1 or None (unlimited), got {invalid_action_budget}")
         self.split = canonical_split(split)
         self.data_root = resolve_data_root(data_dir)
-        self.games = list_games(self.split, self.data_root, task_types)
+        self.games = list_games(self.split, self.data_root, task_types, dev_games)
         self.max_turns = max_turns
         self.invalid_action_budget = invalid_action_budget
         self.expert = expert
@@ -308,14 +310,14 @@ class ALFWorldEnv(TextEnv):
         return [{"game": i} for i in range(len(self.games))]
 
     @classmethod
-    def preflight(cls, *, splits, data_dir=None, task_types=None, **_) -> list:
+    def preflight(cls, *, splits, data_dir=None, task_types=None, dev_games=0, **_) -> list:
         """The alfworld package, and games for every split the run will train or evaluate on."""
         from agentenv.envs.spec import Check
 
         out = []
         for split in dict.fromkeys(s or "train" for s in splits):
             try:
-                games = list_games(split, data_dir, task_types)
+                games = list_games(split, data_dir, task_types, dev_games)
                 full = cls.FULL_SPLIT_SIZES.get(canonical_split(split))
                 # a sample is a root with fewer games of all types than the release; a task_types filter on the
                 # full release is not (1,098 pick/look games of 3,553 is every one of them)

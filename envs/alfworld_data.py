@@ -5,11 +5,15 @@ Contract: :func:`resolve_data_root` picks the data root (``data_dir``, else ``$A
 ``builtin:demo`` name the shipped games, the demo's unpacked once into the agentenv cache). :func:`list_games` lists a
 split's games as ``AlfredTWEnv`` collects them, sorted by path (the deterministic evaluation order), optionally only
 some task types. Missing data is an :class:`ALFWorldDataError` that says how to get it.
+``dev_games=N`` carves a dev split out of train: the N train games (of the chosen task types) whose path hashes
+lowest (:func:`dev_and_train`: stable, whatever order the files are found in). Split ``dev`` is those games and split
+``train`` the rest, so tuning on ``dev`` never touches a game RL trains on, nor valid_seen / valid_unseen.
 :mod:`agentenv.envs.alfworld` (the env) re-exports these names.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -37,6 +41,7 @@ SPLITS = {
     "valid_unseen": "valid_unseen",
     "unseen": "valid_unseen",
     "valid_train": "valid_train",
+    "dev": "dev",  # train games held out from RL (needs dev_games=N: see dev_and_train)
 }
 
 # ALFRED's task_type (traj_data.json, task folder prefix) -> the short name recorded in info["task_type"].
@@ -102,7 +107,6 @@ def builtin_root(name: str) -> Path:
         return SAMPLE_DIR
     if name != "demo":
         raise ValueError(f"unknown shipped ALFWorld data {BUILTIN_PREFIX}{name}; expected builtin:sample or builtin:demo")
-    import hashlib
     import tarfile
 
     from agentenv.core.cache import atomic_dir, cache_dir
@@ -146,12 +150,17 @@ def _collect_games(root: Path, split: str) -> tuple[str, ...]:
     return tuple(sorted(games))
 
 
-def list_games(split: str, data_dir: str | os.PathLike | None = None, task_types: Iterable[str] | None = None) -> list[str]:
+def list_games(split: str, data_dir: str | os.PathLike | None = None, task_types: Iterable[str] | None = None,
+               dev_games: int = 0) -> list[str]:
     """Games of ``split`` (paths relative to the data root, sorted), optionally only some task types (short or
-    ALFRED names). Raises :class:`ALFWorldDataError` when the split is absent or empty."""
+    ALFRED names); with ``dev_games`` = N > 0, ``train`` lacks the N games of split ``dev``. Raises
+    :class:`ALFWorldDataError` when the split is absent or empty."""
     root = resolve_data_root(data_dir)
     split = canonical_split(split)
-    games = list(_collect_games(root, split))
+    if split == "dev" and dev_games < 1:
+        raise ValueError("split 'dev' is carved out of train: set the env kwarg dev_games=N (e.g. --set "
+                         "env.kwargs.dev_games=16), the number of train games held out from RL")
+    games = list(_collect_games(root, "train" if split == "dev" else split))
     if not games:
         where = "the shipped sample" if root == SAMPLE_DIR else str(root)
         raise ALFWorldDataError(_how_to_get_data(f"No ALFWorld games for split {split!r} in {where}."))
@@ -163,7 +172,19 @@ def list_games(split: str, data_dir: str | os.PathLike | None = None, task_types
         games = [g for g in games if _task_type_from_path(g) in wanted]
         if not games:
             raise ALFWorldDataError(f"split {split!r} in {root} has no games of task types {sorted(wanted)}")
+    if split in ("train", "dev") and dev_games:
+        dev, train = dev_and_train(games, dev_games)
+        games = dev if split == "dev" else train
     return games
+
+
+def dev_and_train(train_games: list[str], n: int) -> tuple[list[str], list[str]]:
+    """(dev, rest), each sorted: dev is the ``n`` games whose path's SHA-256 is lowest -- a fixed pseudo-random
+    choice that depends on the games only, not on their order or the run's seed."""
+    if not 0 < n < len(train_games):
+        raise ValueError(f"dev_games={n}: want 1 <= dev_games < {len(train_games)} (the train games of these types)")
+    dev = set(sorted(train_games, key=lambda g: hashlib.sha256(g.encode()).hexdigest())[:n])
+    return sorted(dev), sorted(g for g in train_games if g not in dev)
 
 
 def _task_type_from_path(game: str) -> str | None:

@@ -116,6 +116,30 @@ def test_preflight_calls_only_a_sample_a_sample(data_dir):
     assert "48 games" in demo["alfworld valid_seen"].detail and "the full split has 140" in demo["alfworld valid_seen"].detail
 
 
+def test_dev_split_is_a_stable_part_of_train_that_rl_never_draws(tmp_path):
+    """dev_games=N: split dev is N shipped train games chosen by path hash, train the rest; the RL task pool of the
+    ALFWorld demo preset with it holds no dev game, and the choice does not depend on file order."""
+    from agentenv.core.config import load_config
+    from agentenv.envs.alfworld_data import dev_and_train
+    from agentenv.run.episodes import task_list
+
+    types = ["pick_and_place", "look_at_obj_in_light"]
+    everything = list_games("train", "builtin:demo", types)
+    dev = list_games("dev", "builtin:demo", types, dev_games=16)
+    train = list_games("train", "builtin:demo", types, dev_games=16)
+    assert len(dev) == 16 and len(train) == len(everything) - 16
+    assert not set(dev) & set(train) and sorted(dev + train) == everything
+    assert dev_and_train(everything[::-1], 16) == (dev, train)  # a fixed choice, whatever the order
+    assert set(dev) < set(list_games("dev", "builtin:demo", types, dev_games=17))  # one more keeps the first 16
+    cfg = load_config("alfworld_demo", [], ["env.kwargs.dev_games=16", f"run.dir={tmp_path}"])
+    env = ALFWorldEnv("train", "builtin:demo", task_types=types, dev_games=16)
+    pool = {env.games[t.options["game"]] for t in task_list(cfg)}
+    assert pool == set(train) and not pool & set(dev)
+    assert ALFWorldEnv("dev", "builtin:demo", task_types=types, dev_games=16).games == dev
+    with pytest.raises(ValueError, match="dev_games=N"):
+        ALFWorldEnv("dev", "builtin:demo", task_types=types)
+
+
 def test_empty_alfworld_data_means_unset():
     """alfworld itself crashes at import on ALFWORLD_DATA="" (os.makedirs('')); the env treats it as unset. A fresh
     process, because alfworld reads the variable once, at its first import."""
