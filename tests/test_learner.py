@@ -418,6 +418,41 @@ def test_every_loss_in_the_config_is_registered_with_its_section():
     assert all(get_loss(s()).section is s for s in sections)
 
 
+def test_permute_rewards_reaches_the_advantages_through_the_run_config(base):
+    """algo.permute_rewards (the permuted-reward control): the update's gradient is the one of the same batch with its
+    rewards shuffled by one non-identity permutation (the run's loop.seed and the step pick it), and the metrics
+    record says so."""
+    import itertools
+
+    from agentenv.core.config import load_config
+    from agentenv.core.metrics import update_record
+    from agentenv.trainer import learner_config_from
+
+    lc = learner_config_from(load_config("python_tool", overrides=["algo.permute_rewards=true", "loop.seed=3"]),
+                             lr=1e-3)
+    assert lc.permute_rewards and lc.permute_seed == 3
+    rewards = [0.0, 0.25, 0.5, 1.0]
+
+    def grads_with(config, order):
+        trajs = make_trajectories(base, 4, seed=5)
+        for t, r in zip(trajs, (rewards[i] for i in order)):
+            t.reward, t.success = r, r == 1.0
+        learner = Learner(copy.deepcopy(base), config)
+        grads = capture_grads(learner)
+        return grads, learner.update(trajs), trajs
+
+    permuted, stats, trajs = grads_with(lc, range(4))
+    assert stats["rewards_permuted"] == 1
+    rec = update_record(update=1, policy_version=1, mode="async", batch=trajs, lags=[], learner_stats=stats,
+                        counters={}, timings={})
+    assert rec["rewards_permuted"] == 1 and rec["reward_mean"] == sum(rewards) / 4  # what was played, not shuffled
+    plain = dataclasses.replace(lc, permute_rewards=False)
+    matches = [order for order in itertools.permutations(range(4))
+               if all(torch.allclose(a, b) for a, b in zip(grads_with(plain, order)[0][0], permuted[0]))]
+    assert len(matches) == 1 and matches[0] != (0, 1, 2, 3)
+    assert "rewards_permuted" not in grads_with(plain, range(4))[1]
+
+
 def test_learner_config_from_reads_every_section_it_names():
     from agentenv.core.config import load_config
     from agentenv.trainer import learner_config_from

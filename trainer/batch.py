@@ -13,6 +13,8 @@ Contract:
   within a token budget (a row longer than the budget goes alone). Rows are never split, so the per-row ``T_i`` is
   unchanged; the whole-batch quantities (reward mean, ``B``, ``sum T_i``) come from :meth:`Batch.full_batch`, computed
   BEFORE splitting and passed to every micro-batch's loss, which makes accumulated gradients equal the full batch's.
+* :func:`permute_rewards` shuffles a batch's rewards (and failures with them) among its rows by a seeded permutation:
+  the permuted-reward control (``algo.permute_rewards``).
 * :func:`trajectory_stats` summarises what the tensors do not carry: policy lag against a given weight version,
   the share sampled with top-k / top-p < 1, and the trust gate's acceptance among lag-0 trajectories.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -138,6 +141,13 @@ def microbatches(batch: Batch, max_tokens: int | None) -> list[tuple[list[int], 
         else:
             groups.append([i])
     return [(rows, batch.select(rows)) for rows in groups]
+
+
+def permute_rewards(batch: Batch, seed: int, step: int) -> Batch:
+    """The batch with its rewards and failures shuffled among its rows by a permutation drawn from ``(seed, step)``:
+    the same on every rank, and a new one each update."""
+    perm = torch.as_tensor(np.random.default_rng([seed, step]).permutation(len(batch)), dtype=torch.long)
+    return replace(batch, rewards=batch.rewards[perm], failures=batch.failures[perm])
 
 
 def trajectory_stats(trajectories: Sequence[Trajectory], admitted: list[bool] | None, version: int) -> dict:

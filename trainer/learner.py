@@ -6,7 +6,8 @@ Contract of :meth:`Learner.update`:
    A trajectory's key is its ``id``, or a content hash when ``id`` is empty. Refuse a trajectory sampled at another
    temperature than ``LearnerConfig.temperature`` (pi must be evaluated as mu was).
 2. Collate (:func:`~agentenv.trainer.batch.collate`), take the whole-batch totals and the loss's whole-batch
-   preparation (:mod:`~agentenv.trainer.losses`), split into length-bucketed micro-batches
+   preparation (:mod:`~agentenv.trainer.losses`; ``permute_rewards``: the rewards shuffled among the rows first,
+   the permuted-reward control), split into length-bucketed micro-batches
    (``max_tokens_per_microbatch``), and per micro-batch: chunked current log-probs (with the model's final-logit
    processing; entropies when the loss needs them or ``compute_entropy``), the registered loss with the whole-batch
    totals, ``backward()``. The summed gradients equal the full-batch loss's gradient.
@@ -63,7 +64,7 @@ from agentenv.core.trajectory import Trajectory
 
 from . import checkpoint as ckpt
 from .averaging import WeightAverage
-from .batch import Batch, collate, microbatches, trajectory_stats
+from .batch import Batch, collate, microbatches, permute_rewards, trajectory_stats
 from .logprobs import DEFAULT_CHUNK, TokenLogProbs
 from .losses import LOSSES, LossInputs, LossResult, get_loss, merge_results
 from .schedule import Schedule
@@ -94,6 +95,8 @@ class LearnerConfig:
     # {"type": "flashreinforce", "no_trust": True})
     loss: LossSection | str | dict = field(default_factory=FlashReinforceLoss)
     failure_threshold: float | None = None  # failed = reward < this; None: failed = not success
+    permute_rewards: bool = False  # the control: rewards shuffled among each batch's rows (batch.permute_rewards)
+    permute_seed: int = 0  # with the update's step, seeds that shuffle (the run's loop.seed)
     # tail averaging (see use_average): the mean of the weights after each of the last N of total_steps updates
     average_last_updates: int = 0
     # compute
@@ -149,7 +152,7 @@ def learner_config_from(cfg, **overrides) -> LearnerConfig:
     shared = {k: getattr(cfg.algo, k) for k in type(cfg.algo).model_fields if k in own}
     kw = dict(shared, temperature=cfg.rollout.temperature, total_steps=cfg.loop.total_updates,
               gradient_checkpointing=cfg.model.gradient_checkpointing, autocast=_COMPUTE_DTYPES[cfg.model.dtype],
-              compute_entropy=True)
+              compute_entropy=True, permute_seed=cfg.loop.seed)
     kw.update(overrides)
     return LearnerConfig(**kw)
 
@@ -213,6 +216,8 @@ class Learner:
         self._check_fresh(keys)
         self._check_temperature(trajectories)
         batch = collate(trajectories, pad_token_id=self.pad_token_id, failure_threshold=cfg.failure_threshold)
+        if cfg.permute_rewards:  # before the loss sees them: advantages from rewards unlinked to the behaviour
+            batch = permute_rewards(batch, cfg.permute_seed, self.step)
         parts = self._backward(batch)
 
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -238,7 +243,8 @@ class Learner:
         self.average.after_update(self.model, self.step)
         stats.update(reward_mean=float(batch.rewards.mean()), grad_norm=grad_norm, optimizer_step_skipped=int(skipped),
                      lr=lr, step=self.step, policy_version=self.policy_version, num_trajectories=len(batch),
-                     num_microbatches=len(parts), learner_time_s=time.perf_counter() - t0)
+                     num_microbatches=len(parts), learner_time_s=time.perf_counter() - t0,
+                     **({"rewards_permuted": 1} if cfg.permute_rewards else {}))
         return stats
 
     def _backward(self, batch: Batch) -> list[tuple[list[int], LossResult]]:

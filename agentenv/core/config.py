@@ -139,6 +139,9 @@ class AlgoConfig(_Section):
     # top-k / top-p < 1 make mu != pi even at lag 0; the run refuses settings whose lag-0 gate would reject
     # (almost) everything unless this is set
     allow_truncated_sampling: bool = False
+    # a control, not a method: each batch's rewards are shuffled among its trajectories (seeded by loop.seed and the
+    # update) before advantages, so RL sees the same rewards with no link to behaviour; metrics say rewards_permuted
+    permute_rewards: bool = False
 
     @field_validator("betas")
     @classmethod
