@@ -394,6 +394,33 @@ def test_one_lucky_run_does_not_make_the_pool_significant_when_runs_are_resample
     assert lo1 > 0 and lo2 < 0 < hi2
 
 
+def test_nested_interval_of_one_warm_start_is_the_runs_and_tasks_interval_and_a_lucky_warm_start_is_not_evidence():
+    """Runs grouped by warm start, each against its own warm start: with one group it is runs_and_tasks_interval;
+    with three warm starts of which one happened to be weak (so all its runs "gain"), resampling the warm starts too
+    keeps 0 inside the interval, which is wider than the one that treats the nine runs as independent."""
+    import numpy as np
+
+    from agentenv.run.report import nested_paired_interval
+
+    rng = np.random.default_rng(2)
+    p = rng.beta(0.6, 1.2, size=40)
+
+    def ev(q, n=4):
+        return {str(j): [int(rng.binomial(n, min(1.0, max(0.0, q[j])))), n] for j in range(40)}
+
+    before, afters = ev(p), [ev(p) for _ in range(3)]
+    change, lo, hi, n = nested_paired_interval([[(before, a) for a in afters]], resamples=2000, seed=3)
+    assert (lo, hi, n) == pytest.approx(runs_and_tasks_interval(before, afters, resamples=2000, seed=3))
+    assert change == pytest.approx(np.mean([[a[k][0] / 4 - before[k][0] / 4 for k in before] for a in afters]))
+    weak = ev(p - 0.3)  # a warm start that came out weak: every run from it "gains" 0.3 back
+    groups = [[(ev(p), ev(p)) for _ in range(3)] for _ in range(2)] + [[(weak, ev(p)) for _ in range(3)]]
+    _, lo_n, hi_n, _ = nested_paired_interval(groups)
+    _, lo_flat, hi_flat, _ = nested_paired_interval([[pair] for g in groups for pair in g])
+    assert lo_n < 0 < hi_n and hi_n - lo_n > hi_flat - lo_flat
+    with pytest.raises(ValueError, match="at least one"):
+        nested_paired_interval([[], []])
+
+
 def test_runs_and_tasks_interval_covers_zero_when_nothing_changed():
     import numpy as np
 

@@ -4,7 +4,7 @@ a 95% confidence interval over the eval episodes, the change with its own interv
 the env has task types -- the wall time, and ``RUN/demo_result.json``. It drives :func:`agentenv.run.train.run`; the
 only numbers it computes itself are the intervals (:func:`wilson_interval`, :func:`difference_interval`,
 :func:`paired_difference_interval`; and, for several runs from one warm start, :func:`pool_task_successes`
-and :func:`runs_and_tasks_interval`).
+and :func:`runs_and_tasks_interval`; for runs from several warm starts, :func:`nested_paired_interval`).
 
 Each success rate's interval (Wilson) treats eval episodes as independent draws. With ``eval.samples > 1`` several
 episodes share a task, so read it as "over episodes of these tasks". The change is measured on the same tasks before
@@ -121,6 +121,40 @@ def runs_and_tasks_interval(before: dict, afters: list[dict], *, level: float = 
     alpha = (1 - level) / 2
     lo, hi = np.quantile(d.mean(axis=1), [alpha, 1 - alpha])
     return float(lo), float(hi), len(keys)
+
+
+def nested_paired_interval(groups: list[list[tuple[dict, dict]]], *, level: float = 0.95, resamples: int = 10_000,
+                           seed: int = 0) -> tuple[float, float, float, int]:
+    """The mean per-task change over runs that come in groups (RL seeds from one warm start, grouped by warm start),
+    each run paired with its OWN before: ``groups[g]`` = ``[(before, after), ...]`` of ``task_successes`` counts.
+
+    Change = mean over groups of the mean over their runs of the mean over tasks of (after rate - before rate). The
+    interval resamples groups, then runs within each drawn group, then tasks (percentile bootstrap, seeded), so the
+    spread between warm starts, between seeds and between games all widen it. Returns (change, low, high, tasks)."""
+    groups = [g for g in groups if g]
+    pairs = [p for g in groups for p in g]
+    if not pairs:
+        raise ValueError("a nested interval needs at least one (before, after) pair")
+    keys = sorted(set.intersection(*(set(b) & set(a) for b, a in pairs)), key=str)
+    if len(keys) < 2:
+        raise ValueError(f"a paired interval needs at least two tasks played in every evaluation, got {len(keys)}")
+
+    def rates(counts: dict) -> np.ndarray:
+        c = np.array([counts[k] for k in keys], dtype=float)
+        if (c[:, 1] < 1).any() or (c[:, 0] < 0).any() or (c[:, 0] > c[:, 1]).any():
+            raise ValueError("counts must be [successes, episodes] with 0 <= successes <= episodes >= 1")
+        return c[:, 0] / c[:, 1]
+
+    diffs = [np.array([rates(a) - rates(b) for b, a in g]) for g in groups]  # per group: runs x tasks
+    change = float(np.mean([d.mean(axis=0) for d in diffs], axis=0).mean())
+    rng = np.random.default_rng(seed)
+    per_group = np.stack([d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(axis=1) for d in diffs])
+    drawn = rng.integers(0, len(groups), size=(resamples, len(groups)))
+    by_task = per_group[drawn, np.arange(resamples)[:, None]].mean(axis=1)  # replicate x task
+    tasks = rng.integers(0, len(keys), size=(resamples, len(keys)))
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(np.take_along_axis(by_task, tasks, axis=1).mean(axis=1), [alpha, 1 - alpha])
+    return change, float(lo), float(hi), len(keys)
 
 
 def _successes(ev: dict) -> int:
