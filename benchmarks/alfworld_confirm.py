@@ -1,0 +1,277 @@
+"""The ALFWorld confirmatory study: does FlashREINFORCE on the frozen ``alfworld_demo`` preset beat its own warm start
+by more than its two controls do? Several warm starts x RL seeds, every model evaluated on all six task types.
+
+    python benchmarks/alfworld_confirm.py run [--root DIR] [--parts I/N]   # what is left (resumable, in parts)
+    python benchmarks/alfworld_confirm.py report [--root DIR] [--out docs/alfworld_confirm.md]   # saved results only
+    python benchmarks/alfworld_confirm.py run --smoke                      # the whole code path in under a minute
+
+Units (each one's result is ``ROOT/results/UNIT.json``, written when it finishes; a rerun skips finished units and
+restarts unfinished ones from scratch; ``--parts I/N`` runs the I-th of N interleaved slices of what is left, and a
+unit whose warm start another part has not finished yet waits for a later call):
+
+* ``sft-kK`` (K = 1..``--warm-starts``): the preset's SFT warm start with ``loop.seed=K`` (demo order and the
+  held-out demos; the tiny model's initial weights are the preset's, fixed), saved under ``ROOT/work/sft-kK``.
+* ``warm-kK``: that warm start's evaluation (``--warm-samples`` plays per game: every arm of K is paired with it).
+* ``rl-kK-sS`` (S = 1..``--seeds``): the preset's RL from warm start K (``sft.enabled=false``, ``loop.seed=S``,
+  ``--updates`` updates, the dev games held out of its task pool), then its final (tail-averaged) weights evaluated.
+* ``perm-kK-sS``: the same with ``algo.permute_rewards=true``: the permuted-reward control (same rewards, no link to
+  behaviour).
+* ``csft-kK``: the equal-compute continued-SFT control: from warm start K, as many optimizer steps as RL takes
+  (``--updates``) of as many sequences (the preset's ``loop.batch_size``), i.e. ``updates x batch`` scripted demos
+  of the preset's SFT set (drawn once, seeded by K, without replacement), one epoch, at RL's optimizer settings
+  (``algo.lr``, schedule, weight decay, grad clip; warmup ``algo.warmup_ratio`` of the steps) and SFT's loss (the
+  preset's ``sft.context_loss_weight``). Only the training signal differs from RL: demos, not its own rewarded plays.
+
+Evaluation of every model: ``valid_seen`` and ``valid_unseen`` with ALL SIX task types (the full json_2.1.1 games:
+``$ALFWORLD_DATA``, else the archive ``--archive`` unpacked once into the agentenv cache), the preset's env settings
+and turn limit otherwise; and the ``dev`` split (``env.kwargs.dev_games`` train games of the preset's two types, held
+out of RL's pool: the only split a preset may be tuned on). The report (:mod:`alfworld_confirm_report`) pairs every
+arm with its own warm start game by game, with an interval over warm starts, then seeds, then games.
+
+Cost at the defaults (3 warm starts x 3 seeds, 48 updates, 2 cores, from the demo's measured speeds: SFT ~12 min,
+RL ~20-30 min, ~1 s per evaluation episode): 3 SFT (0.6 h) + 18 RL runs (6-9 h) + 3 continued SFT (0.3 h) +
+evaluations (3 x 274 games x 8 plays + 21 x 274 x 4 + 24 x 16 x 8 dev = 32,700 episodes, ~9 h): about 16-19 hours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import alfworld_confirm_report as report  # noqa: E402  (the sibling module, importable however this file is loaded)
+
+REPO = Path(__file__).resolve().parent.parent
+PRESET = "alfworld_demo"
+ARCHIVE = REPO.parent / "shared" / "data" / "alfworld" / "alfworld-json_2.1.1.tar.xz"
+QUIET = ["run.tensorboard=false", "run.plot=false", "run.save_trajectories=false"]
+SMOKE = ["loop.batch_size=2", "loop.concurrency=2", "eval.episodes=2", "env.num_tasks=4", "run.threads=2"]
+SMOKE_SFT = ["model.name=tiny-bpe-alfworld:64x2", "sft.num_demos=8", "sft.epochs=1", "sft.batch_size=4",
+             "sft.heldout_demos=2"]
+
+
+def six_type_data(args) -> str:
+    """The data root for the six-type evaluation: the shipped games in a smoke, else $ALFWORLD_DATA, else the archive
+    unpacked once into the agentenv cache."""
+    if args.smoke:
+        return "builtin:demo"
+    if os.environ.get("ALFWORLD_DATA"):
+        return os.environ["ALFWORLD_DATA"]
+    from agentenv.core.cache import atomic_dir, cache_dir
+
+    target = cache_dir() / "alfworld-json_2.1.1"
+    if (target / "json_2.1.1").is_dir():
+        return str(target)
+    if not Path(args.archive).is_file():
+        sys.exit(f"alfworld_confirm: no ALFWorld games for the six-type evaluation: set $ALFWORLD_DATA to an unpacked "
+                 f"json_2.1.1 root or pass --archive PATH/alfworld-json_2.1.1.tar.xz (not found: {args.archive})")
+
+    def unpack(out: Path) -> None:
+        with tarfile.open(args.archive, "r:xz") as tar:
+            tar.extractall(out, filter="data")
+
+    print(f"alfworld_confirm: unpacking {args.archive} into {target} (once)", flush=True)
+    return str(atomic_dir(target, unpack))
+
+
+def config(args, sets: list[str]):
+    from agentenv.core.config import load_config
+
+    return load_config(PRESET, [], [*QUIET, *(SMOKE if args.smoke else []), *sets])
+
+
+def evaluate_model(args, model_dir: str, work: Path, plays: int) -> dict:
+    """``model_dir`` on valid_seen + valid_unseen (six task types) and on dev: ``{split: evaluation}``."""
+    from agentenv.run.train import run
+
+    common = [f"model.name={model_dir}", "sft.enabled=false", "eval.at_start=false", "eval.at_end=false"]
+    six = [f"env.kwargs.data_dir={args.data}", "env.kwargs.task_types=null", "eval.splits=[valid_seen, valid_unseen]",
+           f"eval.samples={plays}", f"run.dir={work / 'eval_six'}"]
+    dev = [f"env.kwargs.dev_games={args.dev_games}", "eval.splits=[dev]", f"eval.samples={args.dev_samples}",
+           f"run.dir={work / 'eval_dev'}"]
+    evals = {}
+    for sets in (six, dev):
+        res = run(config(args, common + sets), eval_only=True, progress=False, echo=lambda *_: None)
+        evals.update({e["split"]: {k: v for k, v in e.items() if k != "policy_versions"} for e in res.evals})
+    return evals
+
+
+def unit_sft(args, k: int, work: Path) -> dict:
+    from agentenv.run.train import warm_start
+    from agentenv.samplers.models import resolve_model
+
+    cfg = config(args, [f"loop.seed={k}", *(SMOKE_SFT if args.smoke else [])])
+    warm_start(cfg, resolve_model(cfg.model.name).path, work / "sft_model", progress=False, echo=lambda *_: None)
+    sft = json.loads((work / "sft_report.json").read_text())
+    return {"model": str(work / "sft_model"), "sft": {k: sft.get(k) for k in ("steps", "demos", "epochs", "heldout")}}
+
+
+def unit_warm(args, k: int, work: Path) -> dict:
+    return {"evals": evaluate_model(args, model_of(args, k), work, args.warm_samples)}
+
+
+def unit_rl(args, k: int, seed: int, work: Path, permute: bool) -> dict:
+    from agentenv.run.train import run
+
+    sets = [f"model.name={model_of(args, k)}", "sft.enabled=false", f"loop.seed={seed}",
+            f"env.kwargs.dev_games={args.dev_games}", f"loop.total_updates={args.updates}", "eval.at_start=false",
+            "eval.at_end=false", f"run.dir={work / 'run'}", *(["algo.permute_rewards=true"] if permute else [])]
+    res = run(config(args, sets), progress=False, echo=lambda *_: None)
+    if len(res.history) != args.updates:
+        raise RuntimeError(f"the RL run stopped after {len(res.history)} of {args.updates} updates")
+    third = max(1, len(res.history) // 3)
+    succ = [float(r.get("success_rate", 0.0)) for r in res.history]
+    train = {"updates": len(res.history), "success_first_third": sum(succ[:third]) / third,
+             "success_last_third": sum(succ[-third:]) / third,
+             "rewards_permuted": all(r.get("rewards_permuted") == 1 for r in res.history)}
+    if train["rewards_permuted"] != permute:
+        raise RuntimeError(f"the run's metrics say rewards_permuted={train['rewards_permuted']}, wanted {permute}")
+    final = str(work / "run" / "final_model")
+    return {"model": final, "train": train, "evals": evaluate_model(args, final, work, args.samples)}
+
+
+def unit_csft(args, k: int, work: Path) -> dict:
+    """The equal-compute continued-SFT control (the module docstring); its definition is recorded with the result."""
+    import torch
+    from agentenv.core.trajectory import iter_jsonl
+    from agentenv.run.sft import SFTConfig, demos_path, load_model_and_tokenizer, prepare_demos, save_checkpoint_dir
+    from agentenv.run.sft import train_sft
+
+    cfg = config(args, [])
+    a, steps, batch = cfg.algo, args.updates, cfg.loop.batch_size
+    model, tok, _ = load_model_and_tokenizer(model_of(args, k))
+    pool = prepare_demos(list(iter_jsonl(demos_path(cfg.sft.demos))), tok, only_successful=cfg.sft.only_successful,
+                         max_tokens=cfg.rollout.max_total_tokens)
+    if len(pool) < steps * batch:
+        raise RuntimeError(f"{len(pool)} demos for {steps} steps x {batch}: fewer than one epoch needs")
+    demos = random.Random(1000 + k).sample(pool, steps * batch)
+    sft = SFTConfig(epochs=1, lr=a.lr, batch_size=batch, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
+                    warmup_steps=max(1, round(a.warmup_ratio * steps)), schedule=a.schedule, min_lr_ratio=a.min_lr_ratio,
+                    seed=1000 + k, only_successful=cfg.sft.only_successful, max_tokens=cfg.rollout.max_total_tokens,
+                    context_loss_weight=cfg.sft.context_loss_weight)
+    torch.set_num_threads(cfg.run.threads or torch.get_num_threads())
+    r = train_sft(model, demos, sft, progress=False, echo=lambda *_: None)
+    if r["steps"] != steps:
+        raise RuntimeError(f"continued SFT took {r['steps']} steps, not RL's {steps}")
+    out = save_checkpoint_dir(model, tok, work / "csft_model")
+    return {"model": str(out), "train": {"steps": r["steps"], "sequences": steps * batch, "lr": a.lr,
+                                         "schedule": a.schedule, "loss_last": r["loss_last"]},
+            "evals": evaluate_model(args, str(out), work, args.samples)}
+
+
+def model_of(args, k: int) -> str:
+    return json.loads((Path(args.root) / "results" / f"sft-k{k}.json").read_text())["model"]
+
+
+def units(args) -> list[tuple[str, str | None]]:
+    """Every unit in run order, with the unit it needs (its warm start's SFT)."""
+    ks, seeds = range(1, args.warm_starts + 1), range(1, args.seeds + 1)
+    out: list[tuple[str, str | None]] = [(f"sft-k{k}", None) for k in ks]
+    out += [(f"warm-k{k}", f"sft-k{k}") for k in ks]
+    out += [(f"{arm}-k{k}-s{s}", f"sft-k{k}") for k in ks for s in seeds for arm in ("rl", "perm")]
+    return out + [(f"csft-k{k}", f"sft-k{k}") for k in ks]
+
+
+def run_unit(args, name: str) -> dict:
+    kind, *rest = name.split("-")
+    k = int(rest[0][1:])
+    seed = int(rest[1][1:]) if len(rest) > 1 else None
+    work = Path(args.root) / "work" / name
+    if work.exists():  # an unfinished unit: start it again from scratch
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    t0 = time.perf_counter()
+    if kind == "sft":
+        out = unit_sft(args, k, work)
+    elif kind == "warm":
+        out = unit_warm(args, k, work)
+    elif kind in ("rl", "perm"):
+        out = unit_rl(args, k, seed, work, permute=kind == "perm")
+    else:
+        out = unit_csft(args, k, work)
+    return {"unit": name, "kind": kind, "k": k, "seed": seed, "wall_s": time.perf_counter() - t0, **out}
+
+
+def study(args) -> int:
+    results = Path(args.root) / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (Path(args.root) / "settings.json").write_text(json.dumps(settings(args), indent=2))
+    todo = [(u, need) for u, need in units(args) if not (results / f"{u}.json").exists()]
+    i, n = args.parts
+    mine = todo[i - 1::n]
+    print(f"alfworld_confirm: {len(todo)} units left under {args.root}; this part runs {len(mine)}", flush=True)
+    waiting = []
+    for name, need in mine:
+        if need and not (results / f"{need}.json").exists():
+            waiting.append(name)
+            continue
+        r = run_unit(args, name)
+        (results / f"{name}.json").write_text(json.dumps(r, indent=1))
+        print(f"  {name}: {r['wall_s']:.0f}s  " + "  ".join(
+            f"{s} {e['successes']}/{e['episodes']}" for s, e in r.get("evals", {}).items()), flush=True)
+    if waiting:
+        print(f"alfworld_confirm: {len(waiting)} units wait for a warm start another part has not finished: "
+              f"{', '.join(waiting)}; run again when it has", flush=True)
+    return 0
+
+
+def settings(args) -> dict:
+    return {k: getattr(args, k) for k in ("warm_starts", "seeds", "updates", "dev_games", "warm_samples", "samples",
+                                          "dev_samples", "smoke", "data")}
+
+
+def parse_parts(text: str) -> tuple[int, int]:
+    i, n = (int(x) for x in text.split("/"))
+    if not 1 <= i <= n:
+        raise argparse.ArgumentTypeError(f"--parts {text}: want I/N with 1 <= I <= N")
+    return i, n
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="mode", required=True)
+    r = sub.add_parser("run", help="run what is left of the study (resumable)")
+    r.add_argument("--root", default=None, help="study root (default runs/alfworld_confirm)")
+    r.add_argument("--parts", type=parse_parts, default=(1, 1), metavar="I/N", help="run the I-th of N slices")
+    r.add_argument("--warm-starts", type=int, default=3)
+    r.add_argument("--seeds", type=int, default=3, help="RL seeds per warm start")
+    r.add_argument("--updates", type=int, default=None, help="RL updates (default: the preset's)")
+    r.add_argument("--dev-games", type=int, default=16, help="train games held out of RL as the dev split")
+    r.add_argument("--warm-samples", type=int, default=8, help="plays per game of each warm start's evaluation")
+    r.add_argument("--samples", type=int, default=4, help="plays per game of each trained model's evaluation")
+    r.add_argument("--dev-samples", type=int, default=8, help="plays per dev game")
+    r.add_argument("--archive", default=str(ARCHIVE), help="alfworld-json_2.1.1.tar.xz (when $ALFWORLD_DATA is unset)")
+    r.add_argument("--smoke", action="store_true", help="tiny model, 1 warm start x 1 seed, 2 updates, shipped games")
+    p = sub.add_parser("report", help="write the report from the saved results only")
+    p.add_argument("--root", default=None, help="study root (default runs/alfworld_confirm)")
+    for q in (r, p):
+        q.add_argument("--out", default=None, help="report path (default docs/alfworld_confirm.md; smoke: ROOT/...)")
+    # the command line, read before anything runs: an imported game library may rewrite sys.argv
+    command = ("python benchmarks/alfworld_confirm.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.mode == "run" and args.smoke:
+        args.warm_starts, args.seeds, args.updates, args.dev_games = 1, 1, 2, 4
+        args.warm_samples = args.samples = args.dev_samples = 1
+    args.root = args.root or str(REPO / "runs" / "alfworld_confirm")
+    if args.mode == "run":
+        if min(args.warm_starts, args.seeds, args.dev_games, args.warm_samples, args.samples, args.dev_samples) < 1:
+            ap.error("--warm-starts, --seeds, --dev-games and the plays per game must be >= 1")
+        args.updates = args.updates or config(args, []).loop.total_updates
+        args.data = six_type_data(args)
+        study(args)
+    out = Path(args.out) if args.out else (Path(args.root) / "alfworld_confirm.md" if getattr(args, "smoke", False)
+                                           else REPO / "docs" / "alfworld_confirm.md")
+    print(report.write(Path(args.root), out, command=command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

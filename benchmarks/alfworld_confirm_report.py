@@ -1,0 +1,138 @@
+"""The ALFWorld confirmatory study's report, from saved results only: ``ROOT/results/*.json`` (one per finished unit of
+``benchmarks/alfworld_confirm.py``) -> markdown (``docs/alfworld_confirm.md``), stamped with commit, UTC date and
+machine (``scripts/figures.py``'s :func:`stamp`).
+
+Contract:
+
+* Per split (valid_seen, valid_unseen: six task types; dev: the tuning split) and per arm (RL, permuted rewards,
+  continued SFT): the change against the arm's OWN warm start, paired game by game -- mean over warm starts of the
+  mean over their runs of the mean over games of (after rate - before rate) -- with a 95% bootstrap interval over
+  warm starts, then runs, then games (:func:`agentenv.run.report.nested_paired_interval`); and RL against each
+  control directly, paired by warm start (and seed, for the permuted arm) and game.
+* Per task type (all six, zeros shown; a type with no games in the split says so): pooled successes / episodes of
+  every warm start and of every arm.
+* A study with units still missing says so at the top: a partial report cannot read as the whole study.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from agentenv.envs.alfworld_data import TASK_TYPES
+from agentenv.run.report import nested_paired_interval
+
+REPO = Path(__file__).resolve().parent.parent
+ARMS = (("rl", "RL (FlashREINFORCE)"), ("perm", "RL, permuted rewards"), ("csft", "continued SFT, equal compute"))
+SPLITS = ("valid_seen", "valid_unseen", "dev")
+
+
+def load(root: Path) -> dict[str, dict]:
+    return {r["unit"]: r for f in sorted((root / "results").glob("*.json")) for r in [json.loads(f.read_text())]}
+
+
+def counts(unit: dict, split: str) -> dict | None:
+    ev = (unit.get("evals") or {}).get(split)
+    return ev["task_successes"] if ev else None
+
+
+def arm_groups(res: dict[str, dict], arm: str, split: str, baseline: str = "warm") -> list[list[tuple[dict, dict]]]:
+    """Per warm start k: ``[(before, after), ...]`` of ``arm``'s runs, each paired with its ``baseline`` (the warm
+    start, or for RL vs a control the control run of the same k and seed, else of the same k)."""
+    groups: dict[int, list] = {}
+    for u in res.values():
+        if u["kind"] != arm or counts(u, split) is None:
+            continue
+        base = (res.get(f"{baseline}-k{u['k']}") if baseline in ("warm", "csft") else
+                res.get(f"{baseline}-k{u['k']}-s{u['seed']}"))
+        if base is not None and counts(base, split) is not None:
+            groups.setdefault(u["k"], []).append((counts(base, split), counts(u, split)))
+    return [groups[k] for k in sorted(groups)]
+
+
+def change_row(label: str, groups: list) -> str:
+    runs = sum(len(g) for g in groups)
+    if not runs:
+        return f"| {label} | 0 | | | not run yet |"
+    pooled = lambda i: [sum(c[k][0] for k in c) / sum(c[k][1] for k in c) for g in groups for p in g  # noqa: E731
+                        for c in [p[i]]]
+    before, after = pooled(0), pooled(1)
+    try:
+        change, lo, hi, games = nested_paired_interval(groups)
+        cell = f"**{change:+.3f}** [{lo:+.3f}, {hi:+.3f}] over {games} games"
+    except ValueError as e:
+        cell = f"n/a ({e})"
+    return (f"| {label} | {len(groups)} x {runs / len(groups):.3g} | {sum(before) / len(before):.3f} | "
+            f"{sum(after) / len(after):.3f} | {cell} |")
+
+
+def change_table(res: dict[str, dict], split: str) -> list[str]:
+    lines = [f"**{split}**", "", "| arm (vs its baseline) | warm starts x runs | baseline success | arm success "
+             "| change, paired by game [95% CI: warm starts, runs, games] |", "| --- | --- | --- | --- | --- |"]
+    for arm, label in ARMS:
+        lines.append(change_row(f"{label} vs its warm start", arm_groups(res, arm, split)))
+    lines.append(change_row("RL vs permuted rewards (same warm start and seed)", arm_groups(res, "rl", split, "perm")))
+    lines.append(change_row("RL vs continued SFT (same warm start)", arm_groups(res, "rl", split, "csft")))
+    return lines + [""]
+
+
+def type_counts(units: list[dict], split: str) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for u in units:
+        ev = (u.get("evals") or {}).get(split)
+        for t, n in ((ev or {}).get("episodes_by_type") or {}).items():
+            acc = out.setdefault(t, [0, 0])
+            acc[0] += round(ev.get(f"success_{t}", 0.0) * n)
+            acc[1] += n
+    return out
+
+
+def type_table(res: dict[str, dict], split: str) -> list[str]:
+    cols = [("warm", "warm starts")] + list(ARMS)
+    by_col = {kind: type_counts([u for u in res.values() if u["kind"] == kind], split) for kind, _ in cols}
+    lines = [f"**{split}, per task type** (successes / episodes, pooled over the column's models)", "",
+             "| task type | " + " | ".join(label for _, label in cols) + " |", "|" + " --- |" * (len(cols) + 1)]
+    for t in TASK_TYPES.values():
+        cells = []
+        for kind, _ in cols:
+            s, n = by_col[kind].get(t, [0, 0])
+            cells.append(f"{s / n:.3f} ({s}/{n})" if n else "no games")
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def stamp() -> str:
+    sys.path.insert(0, str(REPO / "scripts"))
+    from figures import stamp as figures_stamp
+
+    return figures_stamp()
+
+
+def write(root: Path, out: Path, *, command: str) -> str:
+    res = load(root)
+    settings_path = root / "settings.json"
+    s = json.loads(settings_path.read_text()) if settings_path.exists() else {}
+    planned = (s.get("warm_starts", 0) * (2 + 2 * s.get("seeds", 0) + 1)) if s else None
+    done = len(res)
+    lines = ["# ALFWorld confirmatory study: RL from several warm starts against two controls", "",
+             f"_Generated by `{command}` ({stamp()}) from the saved results under `{root}`. Do not edit by hand._"
+             + (" **SMOKE RUN: numbers mean nothing.**" if s.get("smoke") else ""), ""]
+    if planned is not None and done < planned:
+        lines += [f"**Partial: {done} of {planned} units saved.** Rerun `run` to finish the study.", ""]
+    lines += [f"- Preset `alfworld_demo` frozen; {s.get('warm_starts', '?')} SFT warm starts (its SFT, `loop.seed` = "
+              f"1..K) x {s.get('seeds', '?')} RL seeds, {s.get('updates', '?')} updates each; "
+              f"{s.get('dev_games', '?')} train games held out of RL as the `dev` split (the only split to tune on).",
+              "- Controls: the same RL with each batch's rewards permuted among its trajectories "
+              "(`algo.permute_rewards`), and continued SFT on the scripted demos for as many optimizer steps x "
+              "sequences as RL's updates x batch, at RL's optimizer settings.",
+              f"- Evaluation: valid_seen and valid_unseen with all six task types ({s.get('data', '?')}), "
+              f"{s.get('warm_samples', '?')} plays per game for a warm start, {s.get('samples', '?')} for a trained "
+              f"model; dev {s.get('dev_samples', '?')} plays per game. Each arm is paired game by game with its own "
+              "warm start; intervals resample warm starts, then runs, then games.", ""]
+    for split in SPLITS:
+        lines += change_table(res, split) + type_table(res, split)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = "\n".join(lines)
+    out.write_text(text)
+    return text

@@ -1,0 +1,67 @@
+"""``benchmarks/alfworld_confirm.py``: the confirmatory study's whole code path in a smoke on the shipped games (real
+SFT, RL, permuted-reward RL, continued SFT, evaluations on valid_seen / valid_unseen / dev), resumption from the saved
+units, parts that wait for another part's warm start, and the report's rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("alfworld", reason="alfworld is not installed (pip install 'agentenv[alfworld]')")
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.alfworld
+
+
+def _confirm():
+    spec = importlib.util.spec_from_file_location("alfworld_confirm", REPO / "benchmarks" / "alfworld_confirm.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["alfworld_confirm"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+CONFIRM = _confirm()
+UNITS = ["sft-k1", "warm-k1", "rl-k1-s1", "perm-k1-s1", "csft-k1"]
+
+
+def test_a_part_whose_warm_start_is_not_saved_waits_and_runs_nothing(tmp_path, capsys):
+    assert CONFIRM.main(["run", "--smoke", "--parts", "2/2", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "this part runs 2" in out and "warm-k1, perm-k1-s1; run again" in out  # the 2nd, 4th of 5 units left
+    assert not list((tmp_path / "results").iterdir())
+    assert "**Partial: 0 of 5 units saved.**" in (tmp_path / "alfworld_confirm.md").read_text()
+
+
+def test_smoke_saves_every_unit_resumes_without_rerunning_and_reports_every_arm(tmp_path, capsys):
+    out = tmp_path / "report.md"
+    assert CONFIRM.main(["run", "--smoke", "--root", str(tmp_path), "--out", str(out)]) == 0
+    res = {u: json.loads((tmp_path / "results" / f"{u}.json").read_text()) for u in UNITS}
+    assert sorted(p.stem for p in (tmp_path / "results").iterdir()) == sorted(UNITS)
+    for u in UNITS[1:]:
+        assert set(res[u]["evals"]) == {"valid_seen", "valid_unseen", "dev"}
+        assert all(ev["episodes"] == 2 and len(ev["task_successes"]) == 2 for ev in res[u]["evals"].values())
+    assert res["rl-k1-s1"]["train"] == {**res["rl-k1-s1"]["train"], "updates": 2, "rewards_permuted": False}
+    assert res["perm-k1-s1"]["train"]["rewards_permuted"] is True
+    assert res["csft-k1"]["train"]["steps"] == 2 and res["csft-k1"]["train"]["sequences"] == 4  # 2 updates x batch 2
+    assert res["csft-k1"]["model"] != res["sft-k1"]["model"] and Path(res["csft-k1"]["model"], "config.json").exists()
+    capsys.readouterr()
+    stamps = {u: (tmp_path / "results" / f"{u}.json").stat().st_mtime_ns for u in UNITS}
+    assert CONFIRM.main(["run", "--smoke", "--root", str(tmp_path), "--out", str(out)]) == 0
+    assert "0 units left" in capsys.readouterr().out  # nothing reruns
+    assert stamps == {u: (tmp_path / "results" / f"{u}.json").stat().st_mtime_ns for u in UNITS}
+    text = out.read_text()
+    assert "SMOKE RUN" in text and "Partial" not in text and "commit " in text
+    for label in ("RL (FlashREINFORCE) vs its warm start | 1 x 1", "RL, permuted rewards vs its warm start | 1 x 1",
+                  "continued SFT, equal compute vs its warm start | 1 x 1",
+                  "RL vs permuted rewards (same warm start and seed) | 1 x 1", "RL vs continued SFT (same warm start) | 1 x 1"):
+        assert text.count(label) == 3, label  # one row per split: valid_seen, valid_unseen, dev
+    for t in ("pick_and_place", "pick_clean_then_place", "pick_heat_then_place", "pick_cool_then_place",
+              "look_at_obj_in_light", "pick_two_obj_and_place"):
+        assert text.count(f"| {t} |") == 3, t  # every task type, in every split's table (zeros and all)
+    assert CONFIRM.main(["report", "--root", str(tmp_path), "--out", str(tmp_path / "again.md")]) == 0
+    assert (tmp_path / "again.md").read_text().split("\n")[3:] == text.split("\n")[3:]  # saved results only
