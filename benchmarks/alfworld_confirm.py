@@ -25,12 +25,15 @@ unit whose warm start another part has not finished yet waits for a later call):
 Evaluation of every model: ``valid_seen`` and ``valid_unseen`` with ALL SIX task types (the full json_2.1.1 games:
 ``$ALFWORLD_DATA``, else the archive ``--archive`` unpacked once into the agentenv cache), the preset's env settings
 and turn limit otherwise; and the ``dev`` split (``env.kwargs.dev_games`` train games of the preset's two types, held
-out of RL's pool: the only split a preset may be tuned on). The report (:mod:`alfworld_confirm_report`) pairs every
+out of RL's pool -- 112 of the 128 shipped games remain for RL at the default 16 -- and the only split a preset may
+be tuned on; the SFT demos do cover them, as they cover every train game of the two types). The report (:mod:`alfworld_confirm_report`) pairs every
 arm with its own warm start game by game, with an interval over warm starts, then seeds, then games.
 
-Cost at the defaults (3 warm starts x 3 seeds, 48 updates, 2 cores, from the demo's measured speeds: SFT ~12 min,
-RL ~20-30 min, ~1 s per evaluation episode): 3 SFT (0.6 h) + 18 RL runs (6-9 h) + 3 continued SFT (0.3 h) +
-evaluations (3 x 274 games x 8 plays + 21 x 274 x 4 + 24 x 16 x 8 dev = 32,700 episodes, ~9 h): about 16-19 hours.
+Cost at the defaults (3 warm starts x 3 seeds, 48 updates, 2 cores; the demo's measured speeds on two machines,
+docs/experiments/alfworld_demo_log.md: SFT 7-12 min, RL 15-30 min, 0.7-1.5 s per evaluation episode, the six-type
+games' mostly lost 12-turn episodes at the slow end): 3 SFT (0.3-0.6 h) + 18 RL runs (4.5-9 h) + 3 continued SFT
+(~0.2 h) + evaluations (3 x 274 games x 8 plays + 21 x 274 x 4 + 24 x 16 dev games x 8 = 32,700 episodes, 6-14 h):
+about 11-24 hours, best spent as ``--parts`` on several machines.
 """
 
 from __future__ import annotations

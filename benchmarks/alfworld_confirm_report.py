@@ -122,7 +122,8 @@ def write(root: Path, out: Path, *, command: str) -> str:
         lines += [f"**Partial: {done} of {planned} units saved.** Rerun `run` to finish the study.", ""]
     lines += [f"- Preset `alfworld_demo` frozen; {s.get('warm_starts', '?')} SFT warm starts (its SFT, `loop.seed` = "
               f"1..K) x {s.get('seeds', '?')} RL seeds, {s.get('updates', '?')} updates each; "
-              f"{s.get('dev_games', '?')} train games held out of RL as the `dev` split (the only split to tune on).",
+              f"{s.get('dev_games', '?')} train games held out of RL as the `dev` split (the only split to tune on; "
+              "held out of RL only: the warm start's scripted demos cover every train game of the two types).",
               "- Controls: the same RL with each batch's rewards permuted among its trajectories "
               "(`algo.permute_rewards`), and continued SFT on the scripted demos for as many optimizer steps x "
               "sequences as RL's updates x batch, at RL's optimizer settings.",
