@@ -4,6 +4,8 @@
     python scripts/figures.py demo --seeds 0 1 2 3 4 --no-run    # only read the saved runs
     python scripts/figures.py ablations --parts 1/4               # a quarter of what is left of the study
     python scripts/figures.py ablations --no-run                  # only read the saved results
+    python scripts/figures.py alfworld --parts 1/4                # a quarter of what is left of the ALFWorld study
+    python scripts/figures.py alfworld --no-run                   # only read its saved results
 
 Each figure has a run root (``runs/figures/<figure>/``) holding one run directory per seed; a seed whose run finished
 (its ``demo_result.json`` exists) is read, not rerun, so a long study runs in parts and resumes where it stopped. A run
@@ -18,7 +20,10 @@ Figures:
   evaluation, Welch + Holm). Each finished run is saved as it ends under ``runs/figures/ablations/``; ``--parts I/N``
   runs a slice of what is left, so the hours it takes can be spent in parts. Writes ``docs/results.md``.
 
-The ALFWorld demo's figure has no runner yet: docs/alfworld.md states that it is unmeasured on the current code.
+* ``alfworld`` -- the ALFWorld confirmatory study (``benchmarks/alfworld_confirm.py``: warm starts x RL seeds of the
+  frozen demo preset, a permuted-reward and an equal-compute continued-SFT control, six task types on valid_seen /
+  valid_unseen, the dev split). Each unit is saved as it ends under ``runs/figures/alfworld/``; ``--parts I/N`` runs
+  a slice of what is left. Writes ``docs/alfworld_confirm.md``.
 """
 
 from __future__ import annotations
@@ -181,6 +186,15 @@ def figure_ablations(args) -> int:
     return subprocess.run(cmd, check=False).returncode
 
 
+def figure_alfworld(args) -> int:
+    """The study's own script does the work (resumable per unit); this only fixes where its units and report live."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "alfworld_confirm.py"), "report" if args.no_run else "run",
+           "--root", str(Path(args.runs) / "alfworld"), "--out", str(args.out or ROOT / "docs" / "alfworld_confirm.md")]
+    cmd += [] if args.no_run else ["--parts", args.parts, *args.study]
+    print(f"figures: {' '.join(cmd[1:])}", flush=True)
+    return subprocess.run(cmd, check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="figure", required=True)
@@ -201,10 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--out", default=None, help="where to write the report (default docs/results.md)")
     a.add_argument("study", nargs=argparse.REMAINDER, help="after --: benchmarks/ablations.py's own options "
                    "(--seeds, --only, --updates, ...)")
+    w = sub.add_parser("alfworld", help="the ALFWorld confirmatory study (resumable, in parts) -> "
+                       "docs/alfworld_confirm.md")
+    w.add_argument("--runs", default=str(ROOT / "runs" / "figures"), help="run root (resumable)")
+    w.add_argument("--parts", default="1/1", metavar="I/N", help="run the I-th of N slices of what is left")
+    w.add_argument("--no-run", action="store_true", help="only read saved results")
+    w.add_argument("--out", default=None, help="where to write the report (default docs/alfworld_confirm.md)")
+    w.add_argument("study", nargs=argparse.REMAINDER, help="after --: benchmarks/alfworld_confirm.py run's own "
+                   "options (--warm-starts, --seeds, --samples, ...)")
     args = p.parse_args(argv)
     if getattr(args, "study", None) and args.study[0] == "--":
         args.study = args.study[1:]
-    return {"demo": figure_demo, "ablations": figure_ablations}[args.figure](args)
+    return {"demo": figure_demo, "ablations": figure_ablations, "alfworld": figure_alfworld}[args.figure](args)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """``benchmarks/alfworld_confirm.py``: the confirmatory study's whole code path in a smoke on the shipped games (real
 SFT, RL, permuted-reward RL, continued SFT, evaluations on valid_seen / valid_unseen / dev), resumption from the saved
-units, parts that wait for another part's warm start, and the report's rows."""
+units, parts that wait for another part's warm start, the report's rows, and ``scripts/figures.py alfworld``
+delegating to it."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -63,5 +66,13 @@ def test_smoke_saves_every_unit_resumes_without_rerunning_and_reports_every_arm(
     for t in ("pick_and_place", "pick_clean_then_place", "pick_heat_then_place", "pick_cool_then_place",
               "look_at_obj_in_light", "pick_two_obj_and_place"):
         assert text.count(f"| {t} |") == 3, t  # every task type, in every split's table (zeros and all)
-    assert CONFIRM.main(["report", "--root", str(tmp_path), "--out", str(tmp_path / "again.md")]) == 0
-    assert (tmp_path / "again.md").read_text().split("\n")[3:] == text.split("\n")[3:]  # saved results only
+    # `scripts/figures.py alfworld --no-run` delegates to the study's report: saved results only, nothing run
+    figs = tmp_path / "figs" / "alfworld"
+    shutil.copytree(tmp_path / "results", figs / "results")
+    shutil.copy(tmp_path / "settings.json", figs / "settings.json")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "figures.py"), "alfworld", "--no-run", "--runs",
+                           str(tmp_path / "figs"), "--out", str(tmp_path / "again.md")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "again.md").read_text().split("\n")[3:] == text.split("\n")[3:]
+    assert not (figs / "work").exists()
