@@ -26,8 +26,9 @@ Evaluation of every model: ``valid_seen`` and ``valid_unseen`` with ALL SIX task
 ``$ALFWORLD_DATA``, else the archive ``--archive`` unpacked once into the agentenv cache), the preset's env settings
 and turn limit otherwise; and the ``dev`` split (``env.kwargs.dev_games`` train games of the preset's two types, held
 out of RL's pool -- 112 of the 128 shipped games remain for RL at the default 16 -- and the only split a preset may
-be tuned on; the SFT demos do cover them, as they cover every train game of the two types). The report (:mod:`alfworld_confirm_report`) pairs every
-arm with its own warm start game by game, with an interval over warm starts, then seeds, then games.
+be tuned on; the SFT demos do cover them, as they cover every train game of the two types). The report
+(:mod:`alfworld_confirm_report`) pairs every arm with its own warm start game by game, with an interval over warm
+starts, then seeds, then games.
 
 Cost at the defaults (3 warm starts x 3 seeds, 48 updates, 2 cores; the demo's measured speeds on two machines,
 docs/experiments/alfworld_demo_log.md: SFT 7-12 min, RL 15-30 min, 0.7-1.5 s per evaluation episode, the six-type
@@ -156,7 +157,8 @@ def unit_csft(args, k: int, work: Path) -> dict:
         raise RuntimeError(f"{len(pool)} demos for {steps} steps x {batch}: fewer than one epoch needs")
     demos = random.Random(1000 + k).sample(pool, steps * batch)
     sft = SFTConfig(epochs=1, lr=a.lr, batch_size=batch, weight_decay=a.weight_decay, max_grad_norm=a.max_grad_norm,
-                    warmup_steps=max(1, round(a.warmup_ratio * steps)), schedule=a.schedule, min_lr_ratio=a.min_lr_ratio,
+                    warmup_steps=max(1, round(a.warmup_ratio * steps)), schedule=a.schedule,
+                    min_lr_ratio=a.min_lr_ratio,
                     seed=1000 + k, only_successful=cfg.sft.only_successful, max_tokens=cfg.rollout.max_total_tokens,
                     context_loss_weight=cfg.sft.context_loss_weight)
     torch.set_num_threads(cfg.run.threads or torch.get_num_threads())

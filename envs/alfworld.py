@@ -8,8 +8,8 @@ Contract
 * Data root and splits: :mod:`agentenv.envs.alfworld_data` (``data_dir``, else ``$ALFWORLD_DATA``, else
   ``~/.cache/alfworld``, else the shipped sample; ``builtin:sample`` / ``builtin:demo``); a split missing from the
   root is a :class:`ALFWorldDataError` that says how to get the data. ``dev_games=N`` holds N train games out of
-  ``train`` as split ``dev`` (:func:`~agentenv.envs.alfworld_data.dev_and_train`). A split's games, sorted by path, are its
-  deterministic evaluation order. Prompts and reply parsing: :mod:`agentenv.envs.alfworld_text`; textworld's lock and
+  ``train`` as split ``dev`` (:func:`~agentenv.envs.alfworld_data.dev_and_train`). A split's games, sorted by path,
+  are its deterministic evaluation order. Prompts and reply parsing: :mod:`agentenv.envs.alfworld_text`; textworld's lock and
   memos: :mod:`agentenv.envs.alfworld_textworld` (all re-exported here).
 * Game selection: ``reset(options={"game": i})`` plays the split's i-th game, ``{"game": path}`` a game by path
   (relative to the data root, or absolute; the trial folder or its ``game.tw-pddl``). Otherwise the game is drawn

@@ -61,7 +61,8 @@ def test_smoke_saves_every_unit_resumes_without_rerunning_and_reports_every_arm(
     assert "SMOKE RUN" in text and "Partial" not in text and "commit " in text
     for label in ("RL (FlashREINFORCE) vs its warm start | 1 x 1", "RL, permuted rewards vs its warm start | 1 x 1",
                   "continued SFT, equal compute vs its warm start | 1 x 1",
-                  "RL vs permuted rewards (same warm start and seed) | 1 x 1", "RL vs continued SFT (same warm start) | 1 x 1"):
+                  "RL vs permuted rewards (same warm start and seed) | 1 x 1",
+                  "RL vs continued SFT (same warm start) | 1 x 1"):
         assert text.count(label) == 3, label  # one row per split: valid_seen, valid_unseen, dev
     for t in ("pick_and_place", "pick_clean_then_place", "pick_heat_then_place", "pick_cool_then_place",
               "look_at_obj_in_light", "pick_two_obj_and_place"):
