@@ -195,6 +195,16 @@ def figure_alfworld(args) -> int:
     return subprocess.run(cmd, check=False).returncode
 
 
+def study_parser(sub, name: str, what: str, out: str, study_help: str) -> None:
+    """A long study's figure: its runs resume under --runs, --parts slices what is left, --no-run only reads."""
+    a = sub.add_parser(name, help=f"{what} (resumable, in parts) -> {out}")
+    a.add_argument("--runs", default=str(ROOT / "runs" / "figures"), help="run root (resumable)")
+    a.add_argument("--parts", default="1/1", metavar="I/N", help="run the I-th of N slices of what is left")
+    a.add_argument("--no-run", action="store_true", help="only read saved results")
+    a.add_argument("--out", default=None, help=f"where to write the report (default {out})")
+    a.add_argument("study", nargs=argparse.REMAINDER, help=f"after --: {study_help}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="figure", required=True)
@@ -208,21 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--no-readme", dest="readme", action="store_false", help="leave the README's table alone")
     d.add_argument("--set", dest="extra", action="append", default=[], type=lambda kv: f"--set={kv}",
                    help="an extra --set for every run")
-    a = sub.add_parser("ablations", help="the ablation study (resumable, in parts) -> docs/results.md")
-    a.add_argument("--runs", default=str(ROOT / "runs" / "figures"), help="run root (resumable)")
-    a.add_argument("--parts", default="1/1", metavar="I/N", help="run the I-th of N slices of what is left")
-    a.add_argument("--no-run", action="store_true", help="only read saved results")
-    a.add_argument("--out", default=None, help="where to write the report (default docs/results.md)")
-    a.add_argument("study", nargs=argparse.REMAINDER, help="after --: benchmarks/ablations.py's own options "
-                   "(--seeds, --only, --updates, ...)")
-    w = sub.add_parser("alfworld", help="the ALFWorld confirmatory study (resumable, in parts) -> "
-                       "docs/alfworld_confirm.md")
-    w.add_argument("--runs", default=str(ROOT / "runs" / "figures"), help="run root (resumable)")
-    w.add_argument("--parts", default="1/1", metavar="I/N", help="run the I-th of N slices of what is left")
-    w.add_argument("--no-run", action="store_true", help="only read saved results")
-    w.add_argument("--out", default=None, help="where to write the report (default docs/alfworld_confirm.md)")
-    w.add_argument("study", nargs=argparse.REMAINDER, help="after --: benchmarks/alfworld_confirm.py run's own "
-                   "options (--warm-starts, --seeds, --samples, ...)")
+    study_parser(sub, "ablations", "the ablation study", "docs/results.md", "benchmarks/ablations.py's own options "
+                 "(--seeds, --only, --updates, ...)")
+    study_parser(sub, "alfworld", "the ALFWorld confirmatory study", "docs/alfworld_confirm.md",
+                 "benchmarks/alfworld_confirm.py run's own options (--warm-starts, --seeds, --samples, ...)")
     args = p.parse_args(argv)
     if getattr(args, "study", None) and args.study[0] == "--":
         args.study = args.study[1:]
