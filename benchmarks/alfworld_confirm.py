@@ -22,19 +22,22 @@ unit whose warm start another part has not finished yet waits for a later call):
   (``algo.lr``, schedule, weight decay, grad clip; warmup ``algo.warmup_ratio`` of the steps) and SFT's loss (the
   preset's ``sft.context_loss_weight``). Only the training signal differs from RL: demos, not its own rewarded plays.
 
-Evaluation of every model: ``valid_seen`` and ``valid_unseen`` with ALL SIX task types (the full json_2.1.1 games:
-``$ALFWORLD_DATA``, else the archive ``--archive`` unpacked once into the agentenv cache), the preset's env settings
-and turn limit otherwise; and the ``dev`` split (``env.kwargs.dev_games`` train games of the preset's two types, held
-out of RL's pool -- 112 of the 128 shipped games remain for RL at the default 16 -- and the only split a preset may
-be tuned on; the SFT demos do cover them, as they cover every train game of the two types). The report
-(:mod:`alfworld_confirm_report`) pairs every arm with its own warm start game by game, with an interval over warm
-starts, then seeds, then games.
+Evaluation of every model: ``valid_seen`` and ``valid_unseen`` of the full json_2.1.1 games (``$ALFWORLD_DATA``,
+else the archive ``--archive`` unpacked once into the agentenv cache), the preset's env settings and turn limit
+otherwise: the preset's two task types (90 of the 274 games: the confirmatory endpoint) at ``--warm-samples`` /
+``--samples`` plays per game, and the other four types (184 games, which no model here trains on) at
+``--other-samples`` plays per game, so all six types are reported, zeros included; and the ``dev`` split
+(``env.kwargs.dev_games`` train games of the preset's two types, held out of RL's pool -- 112 of the 128 shipped
+games remain for RL at the default 16 -- and the only split a preset may be tuned on; the SFT demos do cover them, as
+they cover every train game of the two types). The report (:mod:`alfworld_confirm_report`) pairs every arm with its
+own warm start game by game, with an interval over warm starts, then seeds, then games.
 
 Cost at the defaults (3 warm starts x 3 seeds, 48 updates, 2 cores; the demo's measured speeds on two machines,
-docs/experiments/alfworld_demo_log.md: SFT 7-12 min, RL 15-30 min, 0.7-1.5 s per evaluation episode, the six-type
-games' mostly lost 12-turn episodes at the slow end): 3 SFT (0.3-0.6 h) + 18 RL runs (4.5-9 h) + 3 continued SFT
-(~0.2 h) + evaluations (3 x 274 games x 8 plays + 21 x 274 x 4 + 24 x 16 dev games x 8 = 32,700 episodes, 6-14 h):
-about 11-24 hours, best spent as ``--parts`` on several machines.
+docs/experiments/alfworld_demo_log.md: SFT 7-12 min, RL 15-30 min, 0.7-1.5 s per evaluation episode, the other
+types' mostly lost 12-turn episodes at the slow end): 3 SFT (0.3-0.6 h) + 18 RL runs (4.5-9 h) + 3 continued SFT
+(~0.2 h) + evaluations (3 x (90 x 8 + 184) + 21 x (90 x 4 + 184) + 24 x 16 dev games x 8 = 17,200 episodes,
+3.5-7 h): about 8.5-17 hours, best spent as ``--parts`` on several machines, or as session-sized runs
+(``--max-hours H`` starts no unit that would end past H hours; the unit it stops before waits for the next call).
 """
 
 from __future__ import annotations
@@ -52,11 +55,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import alfworld_confirm_report as report  # noqa: E402  (the sibling module, importable however this file is loaded)
 
+from agentenv.envs.alfworld_data import TASK_TYPES  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 PRESET = "alfworld_demo"
 ARCHIVE = REPO.parent / "shared" / "data" / "alfworld" / "alfworld-json_2.1.1.tar.xz"
 QUIET = ["run.tensorboard=false", "run.plot=false", "run.save_trajectories=false"]
-SMOKE = ["loop.batch_size=2", "loop.concurrency=2", "eval.episodes=2", "env.num_tasks=4", "run.threads=2"]
+# the smoke trains one task type, so that the shipped games (the preset's two types) hold an "other" type to evaluate
+SMOKE = ["loop.batch_size=2", "loop.concurrency=2", "eval.episodes=2", "env.num_tasks=4", "run.threads=2",
+         "env.kwargs.task_types=[pick_and_place]"]
 SMOKE_SFT = ["model.name=tiny-bpe-alfworld:64x2", "sft.num_demos=8", "sft.epochs=1", "sft.batch_size=4",
              "sft.heldout_demos=2"]
 
@@ -92,19 +99,33 @@ def config(args, sets: list[str]):
 
 
 def evaluate_model(args, model_dir: str, work: Path, plays: int) -> dict:
-    """``model_dir`` on valid_seen + valid_unseen (six task types) and on dev: ``{split: evaluation}``."""
+    """``model_dir`` on valid_seen + valid_unseen and on dev: ``{split: evaluation}``. valid_seen and valid_unseen are
+    played twice: on the preset's task types at ``plays`` per game (``{split}``), and on the other task types at
+    ``--other-samples`` per game (``{split}_other``; the report joins the two for its six-type rows). The preset never
+    trains on the other types, so they are reported (zeros included) at the fewest plays that show a change there:
+    they hold two thirds of the games and most of the evaluation's time (lost 12-turn episodes)."""
     from agentenv.run.train import run
 
+    trained = preset_types(args)
+    others = [t for t in TASK_TYPES.values() if t not in trained]
     common = [f"model.name={model_dir}", "sft.enabled=false", "eval.at_start=false", "eval.at_end=false"]
-    six = [f"env.kwargs.data_dir={args.data}", "env.kwargs.task_types=null", "eval.splits=[valid_seen, valid_unseen]",
-           f"eval.samples={plays}", f"run.dir={work / 'eval_six'}"]
-    dev = [f"env.kwargs.dev_games={args.dev_games}", "eval.splits=[dev]", f"eval.samples={args.dev_samples}",
-           f"run.dir={work / 'eval_dev'}"]
+    valid = [f"env.kwargs.data_dir={args.data}", "eval.splits=[valid_seen, valid_unseen]"]
     evals = {}
-    for sets in (six, dev):
+    for sets, suffix in (
+            (valid + [f"env.kwargs.task_types=[{', '.join(trained)}]", f"eval.samples={plays}",
+                      f"run.dir={work / 'eval_valid'}"], ""),
+            (valid + [f"env.kwargs.task_types=[{', '.join(others)}]", f"eval.samples={args.other_samples}",
+                      f"run.dir={work / 'eval_other'}"], "_other"),
+            ([f"env.kwargs.dev_games={args.dev_games}", "eval.splits=[dev]", f"eval.samples={args.dev_samples}",
+              f"run.dir={work / 'eval_dev'}"], "")):
         res = run(config(args, common + sets), eval_only=True, progress=False, echo=lambda *_: None)
-        evals.update({e["split"]: {k: v for k, v in e.items() if k != "policy_versions"} for e in res.evals})
+        evals.update({e["split"] + suffix: {k: v for k, v in e.items() if k != "policy_versions"} for e in res.evals})
     return evals
+
+
+def preset_types(args) -> list[str]:
+    """The task types the preset (as the study runs it) trains and plays: the study's confirmatory games."""
+    return list(config(args, []).env.kwargs["task_types"])
 
 
 def unit_sft(args, k: int, work: Path) -> dict:
@@ -207,16 +228,32 @@ def run_unit(args, name: str) -> dict:
 def study(args) -> int:
     results = Path(args.root) / "results"
     results.mkdir(parents=True, exist_ok=True)
-    (Path(args.root) / "settings.json").write_text(json.dumps(settings(args), indent=2))
+    path, now = Path(args.root) / "settings.json", settings(args)
+    if path.exists():  # one study, one design: parts run elsewhere or later must not mix in other settings
+        was = json.loads(path.read_text())
+        differ = sorted(k for k in now if k != "data" and was.get(k) != now[k])
+        if differ:
+            sys.exit(f"alfworld_confirm: {args.root} holds a study with other settings ("
+                     + ", ".join(f"{k}: {was.get(k)} there, {now[k]} here" for k in differ)
+                     + "): pass the same options, or another --root")
+    path.write_text(json.dumps(now, indent=2))
     todo = [(u, need) for u, need in units(args) if not (results / f"{u}.json").exists()]
     i, n = args.parts
     mine = todo[i - 1::n]
     print(f"alfworld_confirm: {len(todo)} units left under {args.root}; this part runs {len(mine)}", flush=True)
-    waiting = []
-    for name, need in mine:
+    waiting, t0 = [], time.perf_counter()
+    for j, (name, need) in enumerate(mine):
         if need and not (results / f"{need}.json").exists():
             waiting.append(name)
             continue
+        if args.max_hours is not None:
+            left = args.max_hours * 3600 - (time.perf_counter() - t0)
+            guess = expected_wall(results, name.split("-")[0])
+            if left < (guess or 0) or left <= 0:
+                print(f"alfworld_confirm: stopping before {name} (~{(guess or 0) / 60:.0f} min, going by the saved units "
+                      f"of its kind): it would end past --max-hours {args.max_hours:g}; "
+                      f"{len(mine) - j} units of this part left, run again to go on", flush=True)
+                break
         r = run_unit(args, name)
         (results / f"{name}.json").write_text(json.dumps(r, indent=1))
         print(f"  {name}: {r['wall_s']:.0f}s  " + "  ".join(
@@ -227,9 +264,18 @@ def study(args) -> int:
     return 0
 
 
+def expected_wall(results: Path, kind: str) -> float | None:
+    """The mean wall time of the saved units of ``kind`` (``None`` before the first); RL runs and permuted-reward runs
+    do the same work, so each stands for the other."""
+    kinds = ("rl", "perm") if kind in ("rl", "perm") else (kind,)
+    walls = [json.loads(f.read_text())["wall_s"] for k in kinds for f in results.glob(f"{k}-*.json")]
+    return sum(walls) / len(walls) if walls else None
+
+
 def settings(args) -> dict:
     return {k: getattr(args, k) for k in ("warm_starts", "seeds", "updates", "dev_games", "warm_samples", "samples",
-                                          "dev_samples", "smoke", "data")}
+                                          "other_samples", "dev_samples", "smoke", "data")} | {
+        "preset_types": preset_types(args)}
 
 
 def parse_parts(text: str) -> tuple[int, int]:
@@ -251,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--dev-games", type=int, default=16, help="train games held out of RL as the dev split")
     r.add_argument("--warm-samples", type=int, default=8, help="plays per game of each warm start's evaluation")
     r.add_argument("--samples", type=int, default=4, help="plays per game of each trained model's evaluation")
+    r.add_argument("--other-samples", type=int, default=1,
+                   help="plays per game of the task types the preset does not train (every model)")
     r.add_argument("--dev-samples", type=int, default=8, help="plays per dev game")
+    r.add_argument("--max-hours", type=float, default=None,
+                   help="start no unit that would end past this many hours (by the saved units' times)")
     r.add_argument("--archive", default=str(ARCHIVE), help="alfworld-json_2.1.1.tar.xz (when $ALFWORLD_DATA is unset)")
     r.add_argument("--smoke", action="store_true", help="tiny model, 1 warm start x 1 seed, 2 updates, shipped games")
     p = sub.add_parser("report", help="write the report from the saved results only")
@@ -264,10 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.mode == "run" and args.smoke:
         args.warm_starts, args.seeds, args.updates, args.dev_games = 1, 1, 2, 4
-        args.warm_samples = args.samples = args.dev_samples = 1
+        args.warm_samples = args.samples = args.other_samples = args.dev_samples = 1
     args.root = args.root or str(REPO / "runs" / "alfworld_confirm")
     if args.mode == "run":
-        if min(args.warm_starts, args.seeds, args.dev_games, args.warm_samples, args.samples, args.dev_samples) < 1:
+        if min(args.warm_starts, args.seeds, args.dev_games, args.warm_samples, args.samples, args.other_samples,
+               args.dev_samples) < 1:
             ap.error("--warm-starts, --seeds, --dev-games and the plays per game must be >= 1")
         args.updates = args.updates or config(args, []).loop.total_updates
         args.data = six_type_data(args)

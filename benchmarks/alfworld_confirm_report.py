@@ -4,8 +4,8 @@ machine (``scripts/figures.py``'s :func:`stamp`).
 
 Contract:
 
-* Per split (valid_seen, valid_unseen: six task types; dev: the tuning split) and per arm (RL, permuted rewards,
-  continued SFT): the change against the arm's OWN warm start, paired game by game -- mean over warm starts of the
+* Per split (valid_seen and valid_unseen: the preset's task types, then all six; dev: the tuning split) and per
+  arm (RL, permuted rewards, continued SFT): the change against the arm's OWN warm start, paired game by game -- mean over warm starts of the
   mean over their runs of the mean over games of (after rate - before rate) -- with a 95% bootstrap interval over
   warm starts, then runs, then games (:func:`agentenv.run.report.nested_paired_interval`); and RL against each
   control directly, paired by warm start (and seed, for the permuted arm) and game.
@@ -33,8 +33,14 @@ def load(root: Path) -> dict[str, dict]:
 
 
 def counts(unit: dict, split: str) -> dict | None:
-    ev = (unit.get("evals") or {}).get(split)
-    return ev["task_successes"] if ev else None
+    """Per game ``[successes, plays]`` of ``split``: ``valid_seen`` / ``valid_unseen`` are the preset's task types,
+    and ``valid_seen+other`` etc. add the other types' evaluation (games keyed apart: each evaluation numbers its own)."""
+    evals = unit.get("evals") or {}
+    split, _, other = split.partition("+")
+    parts = [evals.get(split)] + ([evals.get(f"{split}_other")] if other else [])
+    if not all(parts):
+        return None
+    return {f"{i}:{g}": c for i, ev in enumerate(parts) for g, c in ev["task_successes"].items()}
 
 
 def arm_groups(res: dict[str, dict], arm: str, split: str, baseline: str = "warm") -> list[list[tuple[dict, dict]]]:
@@ -67,8 +73,8 @@ def change_row(label: str, groups: list) -> str:
             f"{sum(after) / len(after):.3f} | {cell} |")
 
 
-def change_table(res: dict[str, dict], split: str) -> list[str]:
-    lines = [f"**{split}**", "", "| arm (vs its baseline) | warm starts x runs | baseline success | arm success "
+def change_table(res: dict[str, dict], split: str, title: str) -> list[str]:
+    lines = [f"**{title}**", "", "| arm (vs its baseline) | warm starts x runs | baseline success | arm success "
              "| change, paired by game [95% CI: warm starts, runs, games] |", "| --- | --- | --- | --- | --- |"]
     for arm, label in ARMS:
         lines.append(change_row(f"{label} vs its warm start", arm_groups(res, arm, split)))
@@ -80,11 +86,11 @@ def change_table(res: dict[str, dict], split: str) -> list[str]:
 def type_counts(units: list[dict], split: str) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for u in units:
-        ev = (u.get("evals") or {}).get(split)
-        for t, n in ((ev or {}).get("episodes_by_type") or {}).items():
-            acc = out.setdefault(t, [0, 0])
-            acc[0] += round(ev.get(f"success_{t}", 0.0) * n)
-            acc[1] += n
+        for ev in ((u.get("evals") or {}).get(s) for s in (split, f"{split}_other")):
+            for t, n in ((ev or {}).get("episodes_by_type") or {}).items():
+                acc = out.setdefault(t, [0, 0])
+                acc[0] += round(ev.get(f"success_{t}", 0.0) * n)
+                acc[1] += n
     return out
 
 
@@ -127,12 +133,17 @@ def write(root: Path, out: Path, *, command: str) -> str:
               "- Controls: the same RL with each batch's rewards permuted among its trajectories "
               "(`algo.permute_rewards`), and continued SFT on the scripted demos for as many optimizer steps x "
               "sequences as RL's updates x batch, at RL's optimizer settings.",
-              f"- Evaluation: valid_seen and valid_unseen with all six task types ({s.get('data', '?')}), "
-              f"{s.get('warm_samples', '?')} plays per game for a warm start, {s.get('samples', '?')} for a trained "
-              f"model; dev {s.get('dev_samples', '?')} plays per game. Each arm is paired game by game with its own "
-              "warm start; intervals resample warm starts, then runs, then games.", ""]
+              f"- Evaluation: valid_seen and valid_unseen ({s.get('data', '?')}) on the preset's task types "
+              f"({', '.join(s.get('preset_types') or ['?'])}: the confirmatory games) at "
+              f"{s.get('warm_samples', '?')} plays per game for a warm start and {s.get('samples', '?')} for a "
+              f"trained model, and on the other task types at {s.get('other_samples', '?')} per game for every model "
+              f"(the six-type rows join both); dev {s.get('dev_samples', '?')} plays per game. Each arm is paired "
+              "game by game with its own warm start; intervals resample warm starts, then runs, then games.", ""]
     for split in SPLITS:
-        lines += change_table(res, split) + type_table(res, split)
+        lines += change_table(res, split, f"{split}, the preset's task types")
+        if split != "dev":
+            lines += change_table(res, f"{split}+other", f"{split}, all six task types")
+        lines += type_table(res, split)
     out.parent.mkdir(parents=True, exist_ok=True)
     text = "\n".join(lines)
     out.write_text(text)

@@ -46,8 +46,13 @@ def test_smoke_saves_every_unit_resumes_without_rerunning_and_reports_every_arm(
     res = {u: json.loads((tmp_path / "results" / f"{u}.json").read_text()) for u in UNITS}
     assert sorted(p.stem for p in (tmp_path / "results").iterdir()) == sorted(UNITS)
     for u in UNITS[1:]:
-        assert set(res[u]["evals"]) == {"valid_seen", "valid_unseen", "dev"}
-        assert all(ev["episodes"] == 2 and len(ev["task_successes"]) == 2 for ev in res[u]["evals"].values())
+        evals = res[u]["evals"]
+        assert set(evals) == {"valid_seen", "valid_unseen", "valid_seen_other", "valid_unseen_other", "dev"}
+        assert all(ev["episodes"] == 2 and len(ev["task_successes"]) == 2 for ev in evals.values())
+        # the smoke trains pick_and_place; the shipped games' other type is played by the "_other" evaluation
+        assert set(evals["valid_seen"]["episodes_by_type"]) == set(evals["dev"]["episodes_by_type"]) == {
+            "pick_and_place"}
+        assert set(evals["valid_seen_other"]["episodes_by_type"]) == {"look_at_obj_in_light"}
     assert res["rl-k1-s1"]["train"] == {**res["rl-k1-s1"]["train"], "updates": 2, "rewards_permuted": False}
     assert res["perm-k1-s1"]["train"]["rewards_permuted"] is True
     assert res["csft-k1"]["train"]["steps"] == 2 and res["csft-k1"]["train"]["sequences"] == 4  # 2 updates x batch 2
@@ -63,7 +68,9 @@ def test_smoke_saves_every_unit_resumes_without_rerunning_and_reports_every_arm(
                   "continued SFT, equal compute vs its warm start | 1 x 1",
                   "RL vs permuted rewards (same warm start and seed) | 1 x 1",
                   "RL vs continued SFT (same warm start) | 1 x 1"):
-        assert text.count(label) == 3, label  # one row per split: valid_seen, valid_unseen, dev
+        # one row per table: valid_seen and valid_unseen (the preset's types, then all six), dev
+        assert text.count(label) == 5, label
+    assert text.count("over 4 games") >= 2 and text.count("over 2 games") >= 3  # the six-type rows join both evals
     for t in ("pick_and_place", "pick_clean_then_place", "pick_heat_then_place", "pick_cool_then_place",
               "look_at_obj_in_light", "pick_two_obj_and_place"):
         assert text.count(f"| {t} |") == 3, t  # every task type, in every split's table (zeros and all)
@@ -77,3 +84,21 @@ def test_smoke_saves_every_unit_resumes_without_rerunning_and_reports_every_arm(
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "again.md").read_text().split("\n")[3:] == text.split("\n")[3:]
     assert not (figs / "work").exists()
+
+
+def test_max_hours_stops_before_a_unit_its_kind_says_would_overrun_and_other_settings_are_refused(tmp_path, capsys):
+    root = str(tmp_path)
+    assert CONFIRM.main(["run", "--smoke", "--root", root, "--parts", "1/2"]) == 0  # sft-k1, rl-k1-s1, csft-k1
+    rl = json.loads((tmp_path / "results" / "rl-k1-s1.json").read_text())
+    capsys.readouterr()
+    # perm-k1-s1 is next; the saved RL run says it takes rl["wall_s"]: half of that is too little
+    assert CONFIRM.main(["run", "--smoke", "--root", root, "--max-hours", str(rl["wall_s"] / 7200)]) == 0
+    out = capsys.readouterr().out
+    assert "stopping before warm-k1" not in out and "stopping before perm-k1-s1" in out, out
+    assert sorted(p.stem for p in (tmp_path / "results").iterdir()) == ["csft-k1", "rl-k1-s1", "sft-k1", "warm-k1"]
+    # a root whose study ran with other settings (here: another machine's part, 4 plays per game) is not mixed into
+    settings = json.loads((tmp_path / "settings.json").read_text())
+    (tmp_path / "settings.json").write_text(json.dumps({**settings, "samples": 4}))
+    with pytest.raises(SystemExit, match="other settings \\(samples: 4 there, 1 here\\)"):
+        CONFIRM.main(["run", "--smoke", "--root", root])
+    assert len(list((tmp_path / "results").iterdir())) == 4
