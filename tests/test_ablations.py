@@ -102,6 +102,8 @@ def test_ablation_verdicts_come_from_the_tests(tmp_path):
     assert "failure_filter_q0.9" not in tested and "| failure_filter_q0.9 |" in text  # no q0.9 runs: not tested
     assert "- **reproduce**: grpo_tool_calls" in text and "[0." in text  # mean [95% CI] cells
     assert "in progress: 48 of its 64 runs" in text  # 6 of 8 variants planted: the report says it is partial
+    png = (tmp_path / "results.png").read_bytes()  # the figure next to the table, linked from it
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000 and "](results.png)" in text
     ps = [t["p"] for t in tested.values()]
     assert [t["p_holm"] for t in tested.values()] == pytest.approx(REP.holm(ps))
 
