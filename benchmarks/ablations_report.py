@@ -227,8 +227,9 @@ def write(root: Path, out: Path, *, settings: dict, command: str, smoke: bool) -
         f"- Outcome: the final weights on {s['eval_episodes']} held-out questions (`heldout` split, never trained on); "
         "table: mean [95% t interval] over seeds.",
         "- Length drift (the `length` comparison): |mean policy tokens per episode - the warm start's|, over both "
-        "answer paths. A tool-using answer is about twice as long as a guess, so a variant that calls the tool more "
-        "drifts further for that reason alone: read it beside the tool-call rate column.",
+        "answer paths. A tool-using answer (a call, then the answer) is several times as long as a guess, so a "
+        "variant that calls the tool more drifts further for that reason alone: read it beside the tool-call rate "
+        "column.",
         f"- Tests: Welch (two-sided), Holm-adjusted over the {len(tested)} tested comparisons at family-wise alpha "
         f"{alpha}; MDE at power 0.8 from the pooled seed sd at alpha / {max(1, len(tested))}. The paper's tool-task "
         f"gap is {PAPER_GAP} (6.7 points).", "",
