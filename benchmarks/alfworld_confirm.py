@@ -250,8 +250,8 @@ def study(args) -> int:
             left = args.max_hours * 3600 - (time.perf_counter() - t0)
             guess = expected_wall(results, name.split("-")[0])
             if left < (guess or 0) or left <= 0:
-                print(f"alfworld_confirm: stopping before {name} (~{(guess or 0) / 60:.0f} min, going by the saved units "
-                      f"of its kind): it would end past --max-hours {args.max_hours:g}; "
+                print(f"alfworld_confirm: stopping before {name} (~{(guess or 0) / 60:.0f} min, going by the saved "
+                      f"units of its kind): it would end past --max-hours {args.max_hours:g}; "
                       f"{len(mine) - j} units of this part left, run again to go on", flush=True)
                 break
         r = run_unit(args, name)

@@ -5,10 +5,10 @@ machine (``scripts/figures.py``'s :func:`stamp`).
 Contract:
 
 * Per split (valid_seen and valid_unseen: the preset's task types, then all six; dev: the tuning split) and per
-  arm (RL, permuted rewards, continued SFT): the change against the arm's OWN warm start, paired game by game -- mean over warm starts of the
-  mean over their runs of the mean over games of (after rate - before rate) -- with a 95% bootstrap interval over
-  warm starts, then runs, then games (:func:`agentenv.run.report.nested_paired_interval`); and RL against each
-  control directly, paired by warm start (and seed, for the permuted arm) and game.
+  arm (RL, permuted rewards, continued SFT): the change against the arm's OWN warm start, paired game by game --
+  mean over warm starts of the mean over their runs of the mean over games of (after rate - before rate) -- with a
+  95% bootstrap interval over warm starts, then runs, then games (:func:`agentenv.run.report.nested_paired_interval`);
+  and RL against each control directly, paired by warm start (and seed, for the permuted arm) and game.
 * Per task type (all six, zeros shown; a type with no games in the split says so): pooled successes / episodes of
   every warm start and of every arm.
 * A study with units still missing says so at the top: a partial report cannot read as the whole study.
@@ -34,7 +34,8 @@ def load(root: Path) -> dict[str, dict]:
 
 def counts(unit: dict, split: str) -> dict | None:
     """Per game ``[successes, plays]`` of ``split``: ``valid_seen`` / ``valid_unseen`` are the preset's task types,
-    and ``valid_seen+other`` etc. add the other types' evaluation (games keyed apart: each evaluation numbers its own)."""
+    and ``valid_seen+other`` etc. add the other types' evaluation (games keyed apart: each evaluation numbers its
+    own)."""
     evals = unit.get("evals") or {}
     split, _, other = split.partition("+")
     parts = [evals.get(split)] + ([evals.get(f"{split}_other")] if other else [])
