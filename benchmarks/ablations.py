@@ -14,12 +14,14 @@ What it does (``python benchmarks/ablations.py``):
    (``--eval-episodes`` questions no SFT or RL step saw). Its outcome is saved at once as
    ``ROOT/results/VARIANT-seedS.json``; a rerun skips every (variant, seed) that has one, so the study resumes
    where it stopped. ``--only`` runs some variants, ``--parts I/N`` the I-th of N interleaved slices of what is
-   left (separate processes or sessions can share one root).
+   left (separate processes or sessions can share one root). ``ROOT/settings.json`` records the design (updates,
+   batch, lag, easy share, evaluation size): a call with other options is refused rather than mixed in.
 4. The lag variants (``*_lag``) use the fixed-lag harness ``loop.fixed_lag=--lag`` (synchronous rounds whose
    samplers hold the weights exactly ``--lag`` versions behind the learner): ``flashreinforce_lag`` (gate on),
    ``no_trust_lag`` (gate off), ``no_is_lag`` (the paper's no-IS: ratio 1, the gate admits everything).
 5. The report (``--out``, default ``docs/results.md``) is written from the saved results only (``--report-only``
-   rebuilds it without running anything) by :mod:`ablations_report`: mean and 95% CI per variant, Welch tests with
+   rebuilds it without running anything, from the saved design; a root with no results is refused, so an empty
+   table never replaces a full one) by :mod:`ablations_report`: mean and 95% CI per variant, Welch tests with
    Holm's correction across comparisons, the minimal detectable effect at the observed seed spread, and which of the
    paper's directions reproduce, are refuted, or are unresolved at this budget.
 
@@ -141,6 +143,29 @@ def evaluate_warm_start(args, root: Path, model_dir: str) -> None:
                                                        "episodes", "successes")}, indent=2))
 
 
+DESIGN = ("updates", "batch", "lag", "easy", "eval_episodes", "smoke")  # what makes two runs comparable
+
+
+def design(args, root: Path) -> None:
+    """One root, one design: ``ROOT/settings.json`` holds the :data:`DESIGN` its runs were made with. A run whose
+    options differ is refused (parts run elsewhere or later must not mix designs); a report takes the saved design
+    (the table then describes the runs it reads, whatever this call's defaults)."""
+    path, now = root / "settings.json", {k: getattr(args, k) for k in DESIGN}
+    if not path.exists():
+        if not args.report_only:
+            path.write_text(json.dumps(now, indent=2))
+        return
+    was = json.loads(path.read_text())
+    if args.report_only:
+        vars(args).update({k: was[k] for k in DESIGN if k in was})
+        return
+    differ = [k for k in DESIGN if was.get(k) != now[k]]
+    if differ:
+        raise SystemExit(f"ablations: {root} holds runs of another design ("
+                         + ", ".join(f"{k}: {was.get(k)} there, {now[k]} here" for k in differ)
+                         + "): pass the same options, or another --root")
+
+
 def pending_jobs(args, root: Path) -> list[tuple[str, int]]:
     todo = [(v, s) for s in args.seeds for v in args.only if not (root / "results" / f"{v}-seed{s}.json").exists()]
     i, n = args.parts
@@ -189,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else (root / "results.md" if args.smoke else REPO / "docs" / "results.md")
     command = ("python benchmarks/ablations.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     bad = []
+    design(args, root)
     if not args.report_only:
         model_dir = warm_start_once(args, root)
         evaluate_warm_start(args, root, model_dir)
@@ -203,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
                 bad.append(f"{variant}-seed{seed}")
             print(f"  {variant}-seed{seed}: held-out success {r['heldout']['success_rate']:.3f}, tool "
                   f"{r['heldout']['tool_call_rate']:.3f}, {r['wall_s']:.0f}s{'' if ok else ' (INCOMPLETE)'}", flush=True)
+    if not any((root / "results").glob("*.json")):  # an empty report would overwrite the one that has results
+        print(f"ablations: no saved runs under {root}/results: nothing to report, {out} left as it is "
+              "(run the study, or pass the --root that holds it)", file=sys.stderr)
+        return 2 if args.report_only else int(bool(bad))
     text = report.write(root, out, settings=vars(args) | {"variants": list(VARIANTS)}, command=command,
                         smoke=args.smoke)
     print(text)

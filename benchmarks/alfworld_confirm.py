@@ -325,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         study(args)
     out = Path(args.out) if args.out else (Path(args.root) / "alfworld_confirm.md" if getattr(args, "smoke", False)
                                            else REPO / "docs" / "alfworld_confirm.md")
+    if not report.load(Path(args.root)):  # an empty report would overwrite the one that has results
+        print(f"alfworld_confirm: no saved units under {args.root}/results: nothing to report, {out} left as it is "
+              "(run the study, or pass the --root that holds it)", file=sys.stderr)
+        return 2 if args.mode == "report" else 0
     print(report.write(Path(args.root), out, command=command))
     return 0
 

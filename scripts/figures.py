@@ -10,7 +10,10 @@
 Each figure has a run root (``runs/figures/<figure>/``) holding one run directory per seed; a seed whose run finished
 (its ``demo_result.json`` exists) is read, not rerun, so a long study runs in parts and resumes where it stopped. A run
 that did not finish is moved aside (``seedN.failed-<time>``) and started again. The tables are written whole by this
-script: nothing in them is edited by hand.
+script: nothing in them is edited by hand. What a committed table was read from is copied beside it into
+``docs/data/<figure>/`` (results, settings; the demo's runs' results and their metrics' main columns), and
+``--no-run`` without ``--runs`` reads that: a fresh clone regenerates every committed table, and a test holds them
+equal. A study root with no saved results is refused rather than written up as an empty table.
 
 Figures:
 
@@ -33,6 +36,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,6 +44,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "docs" / "data"  # what each committed figure was written from, shipped beside it
+# per figure, the files its table is read from (globs under its run root); the demo's metrics keep these columns
+SHIPPED = {"demo": ("seed*/demo_result.json", "seed*/sft_report.json", "seed*/metrics.jsonl"),
+           "ablations": ("results/*.json", "warm_start.json", "settings.json", "sft_wall.json"),
+           "alfworld": ("results/*.json", "settings.json")}
+METRIC_COLUMNS = ("update", "elapsed_s", "success_rate", "tool_call_rate", "tool_malformed_mean", "batch_size",
+                  "num_admitted", "seq_kl_mean", "seq_kl_max", "grad_norm", "entropy_mean", "lr")
 
 
 def stamp() -> str:
@@ -57,6 +68,40 @@ def stamp() -> str:
         pass
     return (f"commit {commit}, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu}, "
             f"{os.cpu_count()} cores, Python {platform.python_version()}")
+
+
+def shown(path: Path) -> str:
+    """A path as a report names it: relative to the repository when inside it (``docs/data/...``), else absolute."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def runs_root(args) -> Path:
+    """``--runs``, else: reading only, the data shipped in ``docs/data`` (so a fresh clone regenerates every committed
+    table); running, ``runs/figures``."""
+    return Path(args.runs) if args.runs else (DATA if args.no_run else ROOT / "runs" / "figures")
+
+
+def ship(figure: str, src: Path, seeds: list[int] | None = None) -> None:
+    """Copy what ``figure``'s committed table was read from into ``docs/data/<figure>/`` (replacing what was there),
+    so the table and its data travel together and ``--no-run`` regenerates it from a fresh clone."""
+    dest = DATA / figure
+    if src.resolve() == dest.resolve():
+        return
+    shutil.rmtree(dest, ignore_errors=True)
+    for pattern in SHIPPED[figure]:
+        for f in sorted(src.glob(pattern)):
+            if seeds is not None and f.parent.name not in {f"seed{s}" for s in seeds}:
+                continue
+            out = dest / f.relative_to(src)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if f.name == "metrics.jsonl":  # the columns the table and a reader of the run's course need
+                rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+                out.write_text("".join(json.dumps({k: r[k] for k in METRIC_COLUMNS if k in r}) + "\n"
+                                       for r in rows if "update" in r))
+            else:
+                shutil.copyfile(f, out)
+    print(f"figures: its data -> {dest.relative_to(ROOT)}")
 
 
 def run_demo_seed(run_dir: Path, seed: int, extra: list[str]) -> None:
@@ -147,18 +192,21 @@ def write_readme_block(name: str, lines: list[str]) -> None:
 
 
 def figure_demo(args) -> int:
-    root = Path(args.runs) / "demo"
-    root.mkdir(parents=True, exist_ok=True)
+    root = runs_root(args) / "demo"
     for seed in args.seeds:
         if not (root / f"seed{seed}" / "demo_result.json").exists():
             if args.no_run:
                 print(f"figures: seed {seed} has no finished run in {root}; run without --no-run", file=sys.stderr)
                 return 2
+            root.mkdir(parents=True, exist_ok=True)
             run_demo_seed(root / f"seed{seed}", seed, args.extra)
             if not (root / f"seed{seed}" / "demo_result.json").exists():
                 print(f"figures: the demo on seed {seed} did not finish; see {root}/seed{seed}.log", file=sys.stderr)
                 return 1
     rows = demo_rows(root, args.seeds)
+    saved = root / "notes.json"  # the notes belong to the runs they describe: kept with them, reused when not given
+    notes = json.loads(saved.read_text()) if saved.exists() else {}
+    args.note, args.note_short = args.note or notes.get("note", ""), args.note_short or notes.get("note_short", "")
     st = stamp()  # once, before this script writes (and so dirties) anything
     text = [f"# `agentenv demo` on seeds {', '.join(map(str, args.seeds))}", "",
             f"Generated by `python scripts/figures.py demo --seeds {' '.join(map(str, args.seeds))}` "
@@ -168,6 +216,11 @@ def figure_demo(args) -> int:
         text += [args.note, ""]
     out = Path(args.out or ROOT / "docs" / "demo.md")
     out.write_text("\n".join(text))
+    if not args.out:
+        ship("demo", root, args.seeds)
+        if args.note or args.note_short:
+            (DATA / "demo" / "notes.json").write_text(json.dumps({"note": args.note, "note_short": args.note_short},
+                                                                 indent=1))
     if args.readme:
         write_readme_block("demo", [f"Measured by `scripts/figures.py` ({st}; details in [docs/demo.md](docs/demo.md)), "
                                     "held-out success [95% Wilson interval] / tool-call rate:", "",
@@ -179,26 +232,37 @@ def figure_demo(args) -> int:
 
 def figure_ablations(args) -> int:
     """The study's own script does the work (resumable per run); this only fixes where its runs and table live."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "ablations.py"), "--root", str(Path(args.runs) / "ablations"),
-           "--out", str(args.out or ROOT / "docs" / "results.md"), *args.study]
+    root = runs_root(args) / "ablations"
+    cmd = [sys.executable, "benchmarks/ablations.py", "--root", shown(root),
+           "--out", shown(args.out or ROOT / "docs" / "results.md"), *args.study]
     cmd += ["--report-only"] if args.no_run else ["--parts", args.parts]
-    print(f"figures: {' '.join(cmd[1:])}", flush=True)
-    return subprocess.run(cmd, check=False).returncode
+    return run_study("ablations", root, cmd, args)
 
 
 def figure_alfworld(args) -> int:
     """The study's own script does the work (resumable per unit); this only fixes where its units and report live."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "alfworld_confirm.py"), "report" if args.no_run else "run",
-           "--root", str(Path(args.runs) / "alfworld"), "--out", str(args.out or ROOT / "docs" / "alfworld_confirm.md")]
+    root = runs_root(args) / "alfworld"
+    cmd = [sys.executable, "benchmarks/alfworld_confirm.py", "report" if args.no_run else "run",
+           "--root", shown(root), "--out", shown(args.out or ROOT / "docs" / "alfworld_confirm.md")]
     cmd += [] if args.no_run else ["--parts", args.parts, *args.study]
+    return run_study("alfworld", root, cmd, args)
+
+
+def run_study(figure: str, root: Path, cmd: list[str], args) -> int:
+    out = ROOT / cmd[cmd.index("--out") + 1]  # paths in cmd are the repository's (shown): it runs there
+    before = out.stat().st_mtime_ns if out.exists() else None
     print(f"figures: {' '.join(cmd[1:])}", flush=True)
-    return subprocess.run(cmd, check=False).returncode
+    rc = subprocess.run(cmd, check=False, cwd=ROOT).returncode
+    if not args.out and out.exists() and out.stat().st_mtime_ns != before:
+        ship(figure, root)  # the report the docs hold was just written from these
+    return rc
 
 
 def study_parser(sub, name: str, what: str, out: str, study_help: str) -> None:
     """A long study's figure: its runs resume under --runs, --parts slices what is left, --no-run only reads."""
     a = sub.add_parser(name, help=f"{what} (resumable, in parts) -> {out}")
-    a.add_argument("--runs", default=str(ROOT / "runs" / "figures"), help="run root (resumable)")
+    a.add_argument("--runs", default=None, help="run root (resumable; default runs/figures, or docs/data with "
+                   "--no-run)")
     a.add_argument("--parts", default="1/1", metavar="I/N", help="run the I-th of N slices of what is left")
     a.add_argument("--no-run", action="store_true", help="only read saved results")
     a.add_argument("--out", default=None, help=f"where to write the report (default {out})")
@@ -210,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="figure", required=True)
     d = sub.add_parser("demo", help="agentenv demo on several seeds -> docs/demo.md")
     d.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    d.add_argument("--runs", default=str(ROOT / "runs" / "figures"), help="run root (resumable)")
+    d.add_argument("--runs", default=None, help="run root (resumable; default runs/figures, or docs/data with "
+                   "--no-run)")
     d.add_argument("--no-run", action="store_true", help="only read finished runs")
     d.add_argument("--out", default=None, help="where to write the table (default docs/demo.md)")
     d.add_argument("--note", default="", help="a line to print under the table (e.g. how loaded the machine was)")

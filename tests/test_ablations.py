@@ -128,3 +128,23 @@ def test_the_figure_script_writes_the_ablation_table_from_saved_results(tmp_path
     assert "| flashreinforce | 3 |" in text and "| grpo | 3 |" in text and "not tested" in text
     assert "in progress: 6 of its 128 runs (8 variants x 16 seeds)" in text
     assert not (tmp_path / "ablations" / "runs").exists()  # nothing was run
+
+
+def test_a_root_keeps_one_design_and_its_report_describes_the_saved_one(tmp_path, capsys):
+    """Runs of another design are refused before anything runs; ``--report-only`` describes the runs by the design
+    they were made with, not by this call's defaults; a root with no results writes no report."""
+    (tmp_path / "results").mkdir()
+    design = {"updates": 40, "batch": 8, "lag": 4, "easy": 0.3, "eval_episodes": 128, "smoke": False}
+    (tmp_path / "settings.json").write_text(json.dumps(design))
+    out = tmp_path / "results.md"
+    assert ABL.main(["--root", str(tmp_path), "--report-only", "--out", str(out)]) == 2  # no results yet
+    assert "nothing to report" in capsys.readouterr().err and not out.exists()
+    for seed in range(2):
+        r = _result("flashreinforce", seed, 0.5, 0.6, 20.0)
+        (tmp_path / "results" / f"flashreinforce-seed{seed}.json").write_text(json.dumps(r))
+    with pytest.raises(SystemExit, match="another design \\(updates: 40 there, 80 here, batch: 8 there, 16 here"):
+        ABL.main(["--root", str(tmp_path), "--seeds", "2"])
+    assert not (tmp_path / "sft_model").exists() and len(list((tmp_path / "results").iterdir())) == 2
+    assert ABL.main(["--root", str(tmp_path), "--report-only", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "40 updates x 8 trajectories" in text and "`loop.fixed_lag=4`" in text and "on 128 held-out" in text
