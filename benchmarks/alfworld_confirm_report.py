@@ -123,6 +123,29 @@ def shown(root: Path) -> str:
     return figures_shown(root)
 
 
+def cost_lines(res: dict[str, dict], s: dict) -> list[str]:
+    """Wall time per kind of unit, from the saved units, and what the units not yet saved would take at those
+    times (an RL run stands for a permuted-reward one: the same work)."""
+    k, n = s.get("warm_starts", 0), s.get("seeds", 0)
+    planned = {"sft": k, "warm": k, "rl": k * n, "perm": k * n, "csft": k}
+    walls = {kind: [r["wall_s"] for r in res.values() if r["kind"] == kind] for kind in planned}
+    rows, left_s, unknown = [], 0.0, []
+    for kind, total in planned.items():
+        w = walls[kind] or (walls["rl"] if kind == "perm" else walls["perm"] if kind == "rl" else [])
+        mean = sum(w) / len(w) if w else None
+        if mean is None and total > len(walls[kind]):
+            unknown.append(kind)
+        left_s += (mean or 0.0) * (total - len(walls[kind]))
+        rows.append(f"| {kind} | {len(walls[kind])} of {total} | "
+                    + (f"{mean / 60:.1f} | " if mean is not None else "- | ") + f"{sum(walls[kind]) / 3600:.2f} |")
+    spent = sum(sum(w) for w in walls.values()) / 3600
+    left = (f"about {left_s / 3600:.1f} h more at these times" if left_s else "nothing more") + (
+        f", plus the {', '.join(unknown)} units (none timed yet)" if unknown else "")
+    return ["**Cost** (wall time per unit, as the machines that ran them saved it)", "",
+            "| unit | saved | minutes per unit (mean) | hours spent |", "| --- | --- | --- | --- |", *rows, "",
+            f"Spent {spent:.1f} h; the units left take {left}.", ""]
+
+
 def write(root: Path, out: Path, *, command: str) -> str:
     res = load(root)
     settings_path = root / "settings.json"
@@ -147,6 +170,7 @@ def write(root: Path, out: Path, *, command: str) -> str:
               f"trained model, and on the other task types at {s.get('other_samples', '?')} per game for every model "
               f"(the six-type rows join both); dev {s.get('dev_samples', '?')} plays per game. Each arm is paired "
               "game by game with its own warm start; intervals resample warm starts, then runs, then games.", ""]
+    lines += cost_lines(res, s)
     for split in SPLITS:
         lines += change_table(res, split, f"{split}, the preset's task types")
         if split != "dev":

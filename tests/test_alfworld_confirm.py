@@ -65,6 +65,8 @@ def test_smoke_saves_every_unit_resumes_without_rerunning_and_reports_every_arm(
     assert stamps == {u: (tmp_path / "results" / f"{u}.json").stat().st_mtime_ns for u in UNITS}
     text = out.read_text()
     assert "SMOKE RUN" in text and "Partial" not in text and "commit " in text
+    hours = sum(r["wall_s"] for r in res.values()) / 3600  # the cost table: every unit timed, none left
+    assert "| perm | 1 of 1 |" in text and f"Spent {hours:.1f} h; the units left take nothing more." in text
     for label in ("RL (FlashREINFORCE) vs its warm start | 1 x 1", "RL, permuted rewards vs its warm start | 1 x 1",
                   "continued SFT, equal compute vs its warm start | 1 x 1",
                   "RL vs permuted rewards (same warm start and seed) | 1 x 1",
