@@ -32,12 +32,12 @@ games remain for RL at the default 16 -- and the only split a preset may be tune
 they cover every train game of the two types). The report (:mod:`alfworld_confirm_report`) pairs every arm with its
 own warm start game by game, with an interval over warm starts, then seeds, then games.
 
-Cost at the defaults (3 warm starts x 3 seeds, 48 updates, 2 cores; the demo's measured speeds on two machines,
-docs/experiments/alfworld_demo_log.md: SFT 7-12 min, RL 15-30 min, 0.7-1.5 s per evaluation episode, the other
-types' mostly lost 12-turn episodes at the slow end): 3 SFT (0.3-0.6 h) + 18 RL runs (4.5-9 h) + 3 continued SFT
-(~0.2 h) + evaluations (3 x (90 x 8 + 184) + 21 x (90 x 4 + 184) + 24 x 16 dev games x 8 = 17,200 episodes,
-3.5-7 h): about 8.5-17 hours, best spent as ``--parts`` on several machines, or as session-sized runs
-(``--max-hours H`` starts no unit that would end past H hours; the unit it stops before waits for the next call).
+Cost at the defaults (3 warm starts x 3 seeds, 48 updates; 3 x (90 x 8 + 184) + 21 x (90 x 4 + 184) + 24 x 16 dev
+games x 8 = 17,200 evaluation episodes): the report's cost table gives each kind of unit's measured wall time and what
+the units left would take. On 2 cores the first 13 units took SFT ~9 min, a warm start's evaluation ~6 min, an RL or
+permuted-reward run with its evaluation 10-16 min: about 5 hours in all, best spent as ``--parts`` on several
+machines, or as session-sized runs (``--max-hours H`` starts no unit that would end past H hours; the unit it stops
+before waits for the next call).
 """
 
 from __future__ import annotations

@@ -70,7 +70,9 @@ def change_row(label: str, groups: list) -> str:
         cell = f"**{change:+.3f}** [{lo:+.3f}, {hi:+.3f}] over {games} games"
     except ValueError as e:
         cell = f"n/a ({e})"
-    return (f"| {label} | {len(groups)} x {runs / len(groups):.3g} | {sum(before) / len(before):.3f} | "
+    sizes = [len(g) for g in groups]  # K x S when every warm start has as many runs; else each one's count
+    shape = f"{len(groups)} x {sizes[0]}" if len(set(sizes)) == 1 else f"{len(groups)}: {'+'.join(map(str, sizes))}"
+    return (f"| {label} | {shape} | {sum(before) / len(before):.3f} | "
             f"{sum(after) / len(after):.3f} | {cell} |")
 
 
