@@ -32,6 +32,8 @@ from agentenv.core.config import load_config
 from agentenv.core.stats import holm, mean_ci, minimal_detectable_effect, permutation_p, runs_needed, welch
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from figures import shown, stamp  # noqa: E402  (scripts/figures.py: the stamp and paths every figure uses)
 PAPER_GAP = 0.067  # the paper's tool-task gap between FlashREINFORCE and its ablations (6.7 points of success)
 
 
@@ -193,20 +195,6 @@ def plot(results: dict[str, list[dict]], warm: dict, tested: dict[str, dict], pn
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
-
-
-def stamp() -> str:
-    sys.path.insert(0, str(REPO / "scripts"))
-    from figures import stamp as figures_stamp
-
-    return figures_stamp()
-
-
-def shown(root: Path) -> str:
-    sys.path.insert(0, str(REPO / "scripts"))
-    from figures import shown as figures_shown
-
-    return figures_shown(root)
 
 
 def write(root: Path, out: Path, *, settings: dict, command: str, smoke: bool) -> str:

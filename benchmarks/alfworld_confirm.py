@@ -248,7 +248,7 @@ def study(args) -> int:
             continue
         if args.max_hours is not None:
             left = args.max_hours * 3600 - (time.perf_counter() - t0)
-            guess = expected_wall(results, name.split("-")[0])
+            guess = report.mean_wall(report.load(Path(args.root)), name.split("-")[0])
             if left < (guess or 0) or left <= 0:
                 print(f"alfworld_confirm: stopping before {name} (~{(guess or 0) / 60:.0f} min, going by the saved "
                       f"units of its kind): it would end past --max-hours {args.max_hours:g}; "
@@ -262,14 +262,6 @@ def study(args) -> int:
         print(f"alfworld_confirm: {len(waiting)} units wait for a warm start another part has not finished: "
               f"{', '.join(waiting)}; run again when it has", flush=True)
     return 0
-
-
-def expected_wall(results: Path, kind: str) -> float | None:
-    """The mean wall time of the saved units of ``kind`` (``None`` before the first); RL runs and permuted-reward runs
-    do the same work, so each stands for the other."""
-    kinds = ("rl", "perm") if kind in ("rl", "perm") else (kind,)
-    walls = [json.loads(f.read_text())["wall_s"] for k in kinds for f in results.glob(f"{k}-*.json")]
-    return sum(walls) / len(walls) if walls else None
 
 
 def settings(args) -> dict:

@@ -24,6 +24,9 @@ from agentenv.envs.alfworld_data import TASK_TYPES
 from agentenv.run.report import nested_paired_interval
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from figures import shown, stamp  # noqa: E402  (scripts/figures.py: the stamp and paths every figure uses)
+
 ARMS = (("rl", "RL (FlashREINFORCE)"), ("perm", "RL, permuted rewards"), ("csft", "continued SFT, equal compute"))
 SPLITS = ("valid_seen", "valid_unseen", "dev")
 
@@ -111,18 +114,12 @@ def type_table(res: dict[str, dict], split: str) -> list[str]:
     return lines + [""]
 
 
-def stamp() -> str:
-    sys.path.insert(0, str(REPO / "scripts"))
-    from figures import stamp as figures_stamp
-
-    return figures_stamp()
-
-
-def shown(root: Path) -> str:
-    sys.path.insert(0, str(REPO / "scripts"))
-    from figures import shown as figures_shown
-
-    return figures_shown(root)
+def mean_wall(res: dict[str, dict], kind: str) -> float | None:
+    """The mean wall time of the saved units of ``kind`` (``None`` before the first); RL runs and permuted-reward runs
+    do the same work, so each stands for the other."""
+    kinds = ("rl", "perm") if kind in ("rl", "perm") else (kind,)
+    walls = [r["wall_s"] for r in res.values() if r["kind"] in kinds]
+    return sum(walls) / len(walls) if walls else None
 
 
 def cost_lines(res: dict[str, dict], s: dict) -> list[str]:
@@ -133,8 +130,8 @@ def cost_lines(res: dict[str, dict], s: dict) -> list[str]:
     walls = {kind: [r["wall_s"] for r in res.values() if r["kind"] == kind] for kind in planned}
     rows, left_s, unknown = [], 0.0, []
     for kind, total in planned.items():
-        w = walls[kind] or (walls["rl"] if kind == "perm" else walls["perm"] if kind == "rl" else [])
-        mean = sum(w) / len(w) if w else None
+        own = walls[kind]  # its own kind's mean; before the first, what stands for it (mean_wall)
+        mean = sum(own) / len(own) if own else mean_wall(res, kind)
         if mean is None and total > len(walls[kind]):
             unknown.append(kind)
         left_s += (mean or 0.0) * (total - len(walls[kind]))

@@ -89,9 +89,10 @@ def ship(figure: str, src: Path, seeds: list[int] | None = None) -> None:
     if src.resolve() == dest.resolve():
         return
     shutil.rmtree(dest, ignore_errors=True)
+    wanted = None if seeds is None else {f"seed{s}" for s in seeds}
     for pattern in SHIPPED[figure]:
         for f in sorted(src.glob(pattern)):
-            if seeds is not None and f.parent.name not in {f"seed{s}" for s in seeds}:
+            if wanted is not None and f.parent.name not in wanted:
                 continue
             out = dest / f.relative_to(src)
             out.parent.mkdir(parents=True, exist_ok=True)
