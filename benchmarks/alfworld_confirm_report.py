@@ -8,7 +8,8 @@ Contract:
   arm (RL, permuted rewards, continued SFT): the change against the arm's OWN warm start, paired game by game --
   mean over warm starts of the mean over their runs of the mean over games of (after rate - before rate) -- with a
   95% bootstrap interval over warm starts, then runs, then games (:func:`agentenv.run.report.nested_paired_interval`);
-  and RL against each control directly, paired by warm start (and seed, for the permuted arm) and game.
+  and RL against each control directly, paired by warm start (and seed, for the permuted arm) and game. The
+  baseline and arm columns are weighted as the change is (:func:`game_means`), so arm - baseline = change.
 * Per task type (all six, zeros shown; a type with no games in the split says so): pooled successes / episodes of
   every warm start and of every arm.
 * A study with units still missing says so at the top: a partial report cannot read as the whole study.
@@ -61,27 +62,37 @@ def arm_groups(res: dict[str, dict], arm: str, split: str, baseline: str = "warm
     return [groups[k] for k in sorted(groups)]
 
 
+def game_means(groups: list) -> tuple[float, float]:
+    """Baseline and arm success weighted as the change is (:func:`nested_paired_interval`): over the games every
+    evaluation played, the mean over warm starts of the mean over their runs of the mean game success rate, so
+    arm - baseline is the change however unequal the runs per warm start or the plays per game."""
+    pairs = [p for g in groups for p in g]
+    keys = set.intersection(*(set(b) & set(a) for b, a in pairs))
+    rate = lambda c: sum(c[k][0] / c[k][1] for k in keys) / len(keys)  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return tuple(mean([mean([rate(p[i]) for p in g]) for g in groups]) for i in (0, 1))
+
+
 def change_row(label: str, groups: list) -> str:
     runs = sum(len(g) for g in groups)
     if not runs:
         return f"| {label} | 0 | | | not run yet |"
-    pooled = lambda i: [sum(c[k][0] for k in c) / sum(c[k][1] for k in c) for g in groups for p in g  # noqa: E731
-                        for c in [p[i]]]
-    before, after = pooled(0), pooled(1)
     try:
         change, lo, hi, games = nested_paired_interval(groups)
+        before, after = game_means(groups)
+        means = f"{before:.3f} | {after:.3f}"
         cell = f"**{change:+.3f}** [{lo:+.3f}, {hi:+.3f}] over {games} games"
     except ValueError as e:
-        cell = f"n/a ({e})"
+        means, cell = " | ", f"n/a ({e})"
     sizes = [len(g) for g in groups]  # K x S when every warm start has as many runs; else each one's count
     shape = f"{len(groups)} x {sizes[0]}" if len(set(sizes)) == 1 else f"{len(groups)}: {'+'.join(map(str, sizes))}"
-    return (f"| {label} | {shape} | {sum(before) / len(before):.3f} | "
-            f"{sum(after) / len(after):.3f} | {cell} |")
+    return f"| {label} | {shape} | {means} | {cell} |"
 
 
 def change_table(res: dict[str, dict], split: str, title: str) -> list[str]:
     lines = [f"**{title}**", "", "| arm (vs its baseline) | warm starts x runs | baseline success | arm success "
-             "| change, paired by game [95% CI: warm starts, runs, games] |", "| --- | --- | --- | --- | --- |"]
+             "| change = arm - baseline, paired by game [95% CI: warm starts, runs, games] |",
+             "| --- | --- | --- | --- | --- |"]
     for arm, label in ARMS:
         lines.append(change_row(f"{label} vs its warm start", arm_groups(res, arm, split)))
     lines.append(change_row("RL vs permuted rewards (same warm start and seed)", arm_groups(res, "rl", split, "perm")))

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("alfworld", reason="alfworld is not installed (pip install 'agentenv[alfworld]')")
 
@@ -105,3 +107,30 @@ def test_max_hours_stops_before_a_unit_its_kind_says_would_overrun_and_other_set
     with pytest.raises(SystemExit, match="other settings \\(samples: 4 there, 1 here\\)"):
         CONFIRM.main(["run", "--smoke", "--root", root])
     assert len(list((tmp_path / "results").iterdir())) == 4
+
+
+def _report():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import alfworld_confirm_report
+
+    return alfworld_confirm_report
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_the_rows_baseline_and_arm_columns_differ_by_exactly_the_change(data):
+    """However unequal the runs per warm start and the plays per game (the six-type rows join 4 plays per preset game
+    with 1 per other game), arm - baseline in a row is its change: the columns are weighted as the change is."""
+    report = _report()
+    games = data.draw(st.integers(2, 6))
+    plays = data.draw(st.lists(st.integers(1, 8), min_size=games, max_size=games))
+
+    def counts():
+        return {f"g{i}": [data.draw(st.integers(0, n)), n] for i, n in enumerate(plays)}
+
+    groups = [[(counts(), counts()) for _ in range(data.draw(st.integers(1, 3)))]
+              for _ in range(data.draw(st.integers(1, 3)))]
+    row = report.change_row("arm", groups)
+    before, after = (float(x) for x in row.split(" | ")[2:4])
+    change = float(row.split("**")[1])
+    assert after - before == pytest.approx(change, abs=1.5e-3)  # each printed to 3 decimals
