@@ -12,6 +12,8 @@ Contract:
   baseline and arm columns are weighted as the change is (:func:`game_means`), so arm - baseline = change.
 * Per task type (all six, zeros shown; a type with no games in the split says so): pooled successes / episodes of
   every warm start and of every arm.
+* The result first (:func:`result_lines`): RL against its warm start and each control on the preset's task types of
+  valid_seen and valid_unseen, as bootstrap tests Holm-adjusted across them, with each one's MDE and a verdict.
 * A study with units still missing says so at the top: a partial report cannot read as the whole study.
 """
 
@@ -20,9 +22,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from statistics import NormalDist
 
 from agentenv.envs.alfworld_data import TASK_TYPES
-from agentenv.run.report import nested_paired_interval
+from agentenv.core.stats import holm
+from agentenv.run.report import nested_paired_interval, nested_paired_test
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -30,6 +34,12 @@ from figures import shown, stamp  # noqa: E402  (scripts/figures.py: the stamp a
 
 ARMS = (("rl", "RL (FlashREINFORCE)"), ("perm", "RL, permuted rewards"), ("csft", "continued SFT, equal compute"))
 SPLITS = ("valid_seen", "valid_unseen", "dev")
+# The confirmatory family (the preset's task types on the two held-out splits): RL against its warm start and each
+# control. dev is the tuning split and the six-type rows are secondary: neither is in it.
+PRIMARY = [(split, label, base) for split in ("valid_seen", "valid_unseen")
+           for label, base in (("RL vs its warm start", "warm"), ("RL vs permuted rewards", "perm"),
+                               ("RL vs continued SFT", "csft"))]
+ALPHA, POWER = 0.05, 0.8
 
 
 def load(root: Path) -> dict[str, dict]:
@@ -98,6 +108,41 @@ def change_table(res: dict[str, dict], split: str, title: str) -> list[str]:
     lines.append(change_row("RL vs permuted rewards (same warm start and seed)", arm_groups(res, "rl", split, "perm")))
     lines.append(change_row("RL vs continued SFT (same warm start)", arm_groups(res, "rl", split, "csft")))
     return lines + [""]
+
+
+def result_lines(res: dict[str, dict], partial: bool) -> list[str]:
+    """The study's answer: each confirmatory comparison (:data:`PRIMARY`) as a two-sided bootstrap test
+    (:func:`nested_paired_test`), Holm-adjusted across those that have runs, with the change this design detects at
+    power :data:`POWER` at Holm's strictest level (a normal approximation from the bootstrap standard error), and a
+    verdict that can come out either way."""
+    tests, rows = {}, []
+    for split, label, base in PRIMARY:
+        try:
+            tests[(split, label)] = nested_paired_test(arm_groups(res, "rl", split, base))
+        except ValueError:  # no runs of this pair yet, or too few games: not in the family
+            pass
+    m = len(tests)
+    for key, p_adj in zip(tests, holm([t["p"] for t in tests.values()])):
+        tests[key]["p_holm"] = p_adj
+    z = NormalDist().inv_cdf(1 - ALPHA / (2 * max(1, m))) + NormalDist().inv_cdf(POWER)
+    for split, label, _ in PRIMARY:
+        t = tests.get((split, label))
+        if t is None:
+            rows.append(f"| {split} | {label} | not run yet | | | | |")
+            continue
+        if t["p_holm"] <= ALPHA:
+            verdict = "**RL higher**" if t["change"] > 0 else "**RL lower**"
+        else:
+            verdict = "no difference detected"
+        rows.append(f"| {split} | {label} | {t['change']:+.3f} [{t['low']:+.3f}, {t['high']:+.3f}] | {t['p']:.3g} | "
+                    f"{t['p_holm']:.3g} | {z * t['se']:.3f} | {verdict} |")
+    title = "Result so far (preliminary: the study is partial)" if partial else "Result"
+    return [f"**{title}**: the preset's task types on the held-out splits, each comparison a two-sided bootstrap "
+            f"test (the interval's resampling of warm starts, runs and games), Holm-adjusted across the {m} "
+            f"comparisons with runs at alpha {ALPHA}; the minimal detectable effect (MDE) is the change found with "
+            f"power {POWER} at Holm's strictest level, alpha / {max(1, m)}.", "",
+            "| split | comparison | change [95% CI] | bootstrap p | Holm p | MDE | verdict |",
+            "| --- | --- | --- | --- | --- | --- | --- |", *rows, ""]
 
 
 def type_counts(units: list[dict], split: str) -> dict[str, list[int]]:
@@ -180,6 +225,7 @@ def write(root: Path, out: Path, *, command: str) -> str:
               f"trained model, and on the other task types at {s.get('other_samples', '?')} per game for every model "
               f"(the six-type rows join both); dev {s.get('dev_samples', '?')} plays per game. Each arm is paired "
               "game by game with its own warm start; intervals resample warm starts, then runs, then games.", ""]
+    lines += result_lines(res, planned is not None and done < planned)
     lines += cost_lines(res, s)
     for split in SPLITS:
         lines += change_table(res, split, f"{split}, the preset's task types")

@@ -67,6 +67,9 @@ def test_smoke_saves_every_unit_resumes_without_rerunning_and_reports_every_arm(
     assert stamps == {u: (tmp_path / "results" / f"{u}.json").stat().st_mtime_ns for u in UNITS}
     text = out.read_text()
     assert "SMOKE RUN" in text and "Partial" not in text and "commit " in text
+    # the result: RL against its warm start and both controls on both held-out splits, tested, Holm across the six
+    assert "**Result**:" in text and "Holm-adjusted across the 6 comparisons" in text
+    assert all(text.count(f"| {s} | RL vs ") == 3 for s in ("valid_seen", "valid_unseen"))
     hours = sum(r["wall_s"] for r in res.values()) / 3600  # the cost table: every unit timed, none left
     assert "| perm | 1 of 1 |" in text and f"Spent {hours:.1f} h; the units left take nothing more." in text
     for label in ("RL (FlashREINFORCE) vs its warm start | 1 x 1", "RL, permuted rewards vs its warm start | 1 x 1",

@@ -4,7 +4,8 @@ a 95% confidence interval over the eval episodes, the change with its own interv
 the env has task types -- the wall time, and ``RUN/demo_result.json``. It drives :func:`agentenv.run.train.run`; the
 only numbers it computes itself are the intervals (:func:`wilson_interval`, :func:`difference_interval`,
 :func:`paired_difference_interval`; and, for several runs from one warm start, :func:`pool_task_successes`
-and :func:`runs_and_tasks_interval`; for runs from several warm starts, :func:`nested_paired_interval`).
+and :func:`runs_and_tasks_interval`; for runs from several warm starts, :func:`nested_paired_interval`, and the
+same bootstrap as a test, :func:`nested_paired_test`).
 
 Each success rate's interval (Wilson) treats eval episodes as independent draws. With ``eval.samples > 1`` several
 episodes share a task, so read it as "over episodes of these tasks". The change is measured on the same tasks before
@@ -131,6 +132,16 @@ def nested_paired_interval(groups: list[list[tuple[dict, dict]]], *, level: floa
     Change = mean over groups of the mean over their runs of the mean over tasks of (after rate - before rate). The
     interval resamples groups, then runs within each drawn group, then tasks (percentile bootstrap, seeded), so the
     spread between warm starts, between seeds and between games all widen it. Returns (change, low, high, tasks)."""
+    t = nested_paired_test(groups, level=level, resamples=resamples, seed=seed)
+    return t["change"], t["low"], t["high"], t["tasks"]
+
+
+def nested_paired_test(groups: list[list[tuple[dict, dict]]], *, level: float = 0.95, resamples: int = 10_000,
+                       seed: int = 0) -> dict:
+    """:func:`nested_paired_interval` as a test: ``{change, low, high, tasks, se, p}``. ``se`` is the bootstrap
+    replicates' standard deviation; ``p`` the two-sided bootstrap p of "no change" that matches the percentile
+    interval (twice the smaller tail of replicates at or beyond 0, as ``(k + 1) / (R + 1)``, so never 0): the
+    interval excludes 0 at level 1 - a exactly when p <= a, up to the replicates' granularity."""
     groups = [g for g in groups if g]
     pairs = [p for g in groups for p in g]
     if not pairs:
@@ -152,9 +163,13 @@ def nested_paired_interval(groups: list[list[tuple[dict, dict]]], *, level: floa
     drawn = rng.integers(0, len(groups), size=(resamples, len(groups)))
     by_task = per_group[drawn, np.arange(resamples)[:, None]].mean(axis=1)  # replicate x task
     tasks = rng.integers(0, len(keys), size=(resamples, len(keys)))
+    boot = np.take_along_axis(by_task, tasks, axis=1).mean(axis=1)
     alpha = (1 - level) / 2
-    lo, hi = np.quantile(np.take_along_axis(by_task, tasks, axis=1).mean(axis=1), [alpha, 1 - alpha])
-    return change, float(lo), float(hi), len(keys)
+    lo, hi = np.quantile(boot, [alpha, 1 - alpha])
+    tail = min(int((boot <= 0).sum()), int((boot >= 0).sum()))
+    p = min(1.0, 2 * (tail + 1) / (resamples + 1))
+    return {"change": change, "low": float(lo), "high": float(hi), "tasks": len(keys), "se": float(boot.std()),
+            "p": p}
 
 
 def _successes(ev: dict) -> int:
