@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     root = Path(args.root or (tempfile.mkdtemp(prefix="ablations-smoke-") if args.smoke
                               else REPO / "runs" / "ablations"))
-    (root / "results").mkdir(parents=True, exist_ok=True)
+    if not args.report_only:  # a report reads; it makes no directories
+        (root / "results").mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else (root / "results.md" if args.smoke else REPO / "docs" / "results.md")
     command = ("python benchmarks/ablations.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     bad = []

@@ -6,6 +6,7 @@
     python scripts/figures.py ablations --no-run                  # only read the saved results
     python scripts/figures.py alfworld --parts 1/4                # a quarter of what is left of the ALFWorld study
     python scripts/figures.py alfworld --no-run                   # only read its saved results
+    python scripts/figures.py stability -- --max-hours 2          # the demo stability study, a session's slice
 
 Each figure has a run root (``runs/figures/<figure>/``) holding one run directory per seed; a seed whose run finished
 (its ``demo_result.json`` exists) is read, not rerun, so a long study runs in parts and resumes where it stopped. A run
@@ -27,6 +28,9 @@ Figures:
   frozen demo preset, a permuted-reward and an equal-compute continued-SFT control, six task types on valid_seen /
   valid_unseen, the dev split). Each unit is saved as it ends under ``runs/figures/alfworld/``; ``--parts I/N`` runs
   a slice of what is left. Writes ``docs/alfworld_confirm.md``.
+* ``stability`` -- how often the demo's RL fails a seed, per optimizer arm (``benchmarks/demo_stability.py``: SFT
+  warm starts x RL seeds per arm at a stress lr, held-out evaluation, permutation tests + Holm). Each unit is saved
+  as it ends under ``runs/figures/stability/``. Writes ``docs/demo_stability.md``.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ DATA = ROOT / "docs" / "data"  # what each committed figure was written from, sh
 # per figure, the files its table is read from (globs under its run root); the demo's metrics keep these columns
 SHIPPED = {"demo": ("seed*/demo_result.json", "seed*/sft_report.json", "seed*/metrics.jsonl"),
            "ablations": ("results/*.json", "warm_start.json", "settings.json", "sft_wall.json"),
-           "alfworld": ("results/*.json", "settings.json")}
+           "alfworld": ("results/*.json", "settings.json"),
+           "stability": ("results/*.json", "settings.json")}
 METRIC_COLUMNS = ("update", "elapsed_s", "success_rate", "tool_call_rate", "tool_malformed_mean", "batch_size",
                   "num_admitted", "seq_kl_mean", "seq_kl_max", "grad_norm", "entropy_mean", "lr")
 
@@ -249,6 +254,15 @@ def figure_alfworld(args) -> int:
     return run_study("alfworld", root, cmd, args)
 
 
+def figure_stability(args) -> int:
+    """The study's own script does the work (resumable per unit); this only fixes where its units and report live."""
+    root = runs_root(args) / "stability"
+    cmd = [sys.executable, "benchmarks/demo_stability.py", "--root", shown(root),
+           "--out", shown(args.out or ROOT / "docs" / "demo_stability.md"), *args.study]
+    cmd += ["--report-only"] if args.no_run else ["--parts", args.parts]
+    return run_study("stability", root, cmd, args)
+
+
 def run_study(figure: str, root: Path, cmd: list[str], args) -> int:
     out = ROOT / cmd[cmd.index("--out") + 1]  # paths in cmd are the repository's (shown): it runs there
     before = out.stat().st_mtime_ns if out.exists() else None
@@ -288,10 +302,13 @@ def main(argv: list[str] | None = None) -> int:
                  "(--seeds, --only, --updates, ...)")
     study_parser(sub, "alfworld", "the ALFWorld confirmatory study", "docs/alfworld_confirm.md",
                  "benchmarks/alfworld_confirm.py run's own options (--warm-starts, --seeds, --samples, ...)")
+    study_parser(sub, "stability", "the demo stability study", "docs/demo_stability.md",
+                 "benchmarks/demo_stability.py's own options (--lr, --arms, --warm-starts, --max-hours, ...)")
     args = p.parse_args(argv)
     if getattr(args, "study", None) and args.study[0] == "--":
         args.study = args.study[1:]
-    return {"demo": figure_demo, "ablations": figure_ablations, "alfworld": figure_alfworld}[args.figure](args)
+    return {"demo": figure_demo, "ablations": figure_ablations, "alfworld": figure_alfworld,
+            "stability": figure_stability}[args.figure](args)
 
 
 if __name__ == "__main__":

@@ -45,10 +45,11 @@ def test_the_readme_demo_table_is_the_docs_one():
     assert table_rows(block.group(1)) == table_rows((REPO / "docs" / "demo.md").read_text())
 
 
-@pytest.mark.parametrize("figure", ["ablations", "alfworld"])
+@pytest.mark.parametrize("figure", ["ablations", "alfworld", "stability"])
 def test_a_study_root_without_results_is_refused_and_nothing_is_written(figure, tmp_path):
     out = tmp_path / "report.md"
     proc = figures(figure, "--no-run", "--runs", str(tmp_path / "empty"), "--out", str(out))
     assert proc.returncode == 2
     assert "nothing to report" in proc.stderr and "left as it is" in proc.stderr
     assert not out.exists() and not out.with_suffix(".png").exists()
+    assert not (tmp_path / "empty").exists()  # reading made no directories
