@@ -19,7 +19,7 @@ parts, ``--parts I/N`` slicing what is left and ``--max-hours H`` starting no un
 
 Outcome per run: held-out success and tool-call rate; **failed** when either misses the demo's per-seed target
 (success >= 0.6 and tool-call rate >= 0.7, issue 39); from its metrics, whether the call format broke (the run log's
-``TOOL-CALL FORMAT BREAKING`` alarm: 0.3 unparseable blocks per trajectory over 3 updates), the peak malformed
+``TOOL-CALL FORMAT BREAKING`` alarm, ``malformed_call_alarm`` in its metrics), the peak malformed
 blocks, the fewest rows the gate admitted and the peak mean sequence KL.
 
 The report (``--out``, default ``docs/demo_stability.md``; :func:`write_report`, from the saved results only): per arm,
@@ -60,7 +60,6 @@ ARMS: dict[str, list[str]] = {
     "beta1_0": ["algo.betas=[0.0,0.999]"],
 }
 TARGET = {"success_rate": 0.6, "tool_call_rate": 0.7}  # the demo's per-seed target (issue 39)
-MALFORMED_ALARM = 0.3  # agentenv.core.metrics' TOOL-CALL FORMAT BREAKING threshold (3-update mean)
 DESIGN = ("warm_starts", "seeds", "lr", "arms", "smoke")
 QUIET = ["run.tensorboard=false", "run.plot=false", "run.save_trajectories=false", "run.threads=2"]
 SMOKE_SFT = ["sft.num_demos=8", "sft.epochs=1", "sft.batch_size=4", "model.name=tiny-bpe:64x2"]
@@ -94,10 +93,9 @@ def outcome(res) -> dict:
     """What a finished RL run contributes (see the module docstring)."""
     ev, hist = res.evals[-1], res.history
     mal = [float(r.get("tool_malformed_mean") or 0.0) for r in hist]
-    rolling = [sum(mal[i - 2:i + 1]) / 3 for i in range(2, len(mal))]
     heldout = {k: ev.get(k) for k in ("success_rate", "tool_call_rate", "episodes", "successes")}
     return {"heldout": heldout, "failed": any(heldout[k] < v for k, v in TARGET.items()),
-            "train": {"updates": len(hist), "format_broke": bool(rolling) and max(rolling) >= MALFORMED_ALARM,
+            "train": {"updates": len(hist), "format_broke": any(r.get("malformed_call_alarm") for r in hist),
                       "peak_malformed": max(mal, default=0.0),
                       "fewest_admitted": min((r["num_admitted"] for r in hist if "num_admitted" in r), default=None),
                       "peak_seq_kl": max((r["seq_kl_mean"] for r in hist if "seq_kl_mean" in r), default=None),
