@@ -21,7 +21,7 @@ def test_smoke_trains_every_arm_from_one_warm_start_resumes_and_refuses_another_
     out = tmp_path / "report.md"
     assert STAB.main(["--smoke", "--root", str(tmp_path), "--out", str(out)]) == 0
     units = sorted(p.stem for p in (tmp_path / "results").iterdir())
-    assert units == ["beta1_0-k0-s1", "clip0.3-k0-s1", "preset-k0-s1", "sft-k0"]
+    assert units == ["clip0.3-k0-s1", "eps1e-5-k0-s1", "preset-k0-s1", "sft-k0"]
     sft = json.loads((tmp_path / "results" / "sft-k0.json").read_text())
     for arm, sets in STAB.ARMS.items():
         r = json.loads((tmp_path / "results" / f"{arm}-k0-s1.json").read_text())
@@ -29,11 +29,11 @@ def test_smoke_trains_every_arm_from_one_warm_start_resumes_and_refuses_another_
         cfg = yaml.safe_load((tmp_path / "work" / f"{arm}-k0-s1" / "run" / "config.yaml").read_text())
         assert cfg["model"]["name"] == sft["model"] and cfg["algo"]["lr"] == 2e-4 and not cfg["sft"]["enabled"]
         assert cfg["algo"]["max_grad_norm"] == (0.3 if arm == "clip0.3" else 1.0)
-        assert cfg["algo"]["betas"] == ([0.0, 0.999] if arm == "beta1_0" else [0.9, 0.999])
+        assert cfg["algo"]["eps"] == (1e-5 if arm == "eps1e-5" else 1e-6)
     text = out.read_text()
     assert "SMOKE RUN" in text and "Partial" not in text and "commit " in text
-    assert text.index("| preset |") < text.index("| clip0.3 |") < text.index("| beta1_0 |")
-    assert "| clip0.3 vs preset |" in text and "| beta1_0 vs preset |" in text
+    assert text.index("| preset |") < text.index("| clip0.3 |") < text.index("| eps1e-5 |")
+    assert "| clip0.3 vs preset |" in text and "| eps1e-5 vs preset |" in text
     capsys.readouterr()
     assert STAB.main(["--smoke", "--root", str(tmp_path), "--out", str(out)]) == 0
     assert "0 units left" in capsys.readouterr().out  # nothing reruns
@@ -52,15 +52,15 @@ def _runs(arm: str, outcomes: list[tuple[float, bool]]) -> dict[str, dict]:
 
 
 def test_the_report_finds_an_arm_that_fails_less_and_not_one_that_fails_as_often():
-    settings = {"warm_starts": 12, "seeds": 1, "lr": 2e-4, "arms": ["preset", "clip0.3", "beta1_0"]}
+    settings = {"warm_starts": 12, "seeds": 1, "lr": 2e-4, "arms": ["preset", "clip0.3", "eps1e-5"]}
     res = {**_runs("preset", [(0.1, True)] * 7 + [(0.8, False)] * 5),
            **_runs("clip0.3", [(0.85, False)] * 12),  # 7 of 12 failed -> 0 of 12
-           **_runs("beta1_0", [(0.1, True)] * 6 + [(0.8, False)] * 6)}
+           **_runs("eps1e-5", [(0.1, True)] * 6 + [(0.8, False)] * 6)}
     text = "\n".join(REPORT.report_lines(res, settings))
     assert "Partial: 36 of 48 units saved" in text  # the 12 warm starts' SFT units are not among these results
     rows = {line.split(" | ")[0]: line for line in text.splitlines() if " vs preset |" in line}
     assert rows["| clip0.3 vs preset"].endswith("**fails less** |")
-    assert rows["| beta1_0 vs preset"].endswith("no difference detected |")
+    assert rows["| eps1e-5 vs preset"].endswith("no difference detected |")
     assert "| preset | (the preset) | 12 | 7 of 12 [" in text and "fewest admitted" in text
 
 
