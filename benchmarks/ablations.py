@@ -43,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ablations_report as report  # noqa: E402  (the sibling module, importable however this file is loaded)
+from studies import one_design, parse_parts  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LAG = ["loop.mode=sync_grpo", "loop.group_size=1", "loop.fixed_lag={lag}"]
@@ -147,36 +148,15 @@ DESIGN = ("updates", "batch", "lag", "easy", "eval_episodes", "smoke")  # what m
 
 
 def design(args, root: Path) -> None:
-    """One root, one design: ``ROOT/settings.json`` holds the :data:`DESIGN` its runs were made with. A run whose
-    options differ is refused (parts run elsewhere or later must not mix designs); a report takes the saved design
-    (the table then describes the runs it reads, whatever this call's defaults)."""
-    path, now = root / "settings.json", {k: getattr(args, k) for k in DESIGN}
-    if not path.exists():
-        if not args.report_only:
-            path.write_text(json.dumps(now, indent=2))
-        return
-    was = json.loads(path.read_text())
-    if args.report_only:
-        vars(args).update({k: was[k] for k in DESIGN if k in was})
-        return
-    differ = [k for k in DESIGN if was.get(k) != now[k]]
-    if differ:
-        raise SystemExit(f"ablations: {root} holds runs of another design ("
-                         + ", ".join(f"{k}: {was.get(k)} there, {now[k]} here" for k in differ)
-                         + "): pass the same options, or another --root")
+    """One root, one design (:func:`studies.one_design` over :data:`DESIGN`): a report takes the saved one."""
+    vars(args).update(one_design(root, {k: getattr(args, k) for k in DESIGN}, study="ablations",
+                                 report_only=args.report_only))
 
 
 def pending_jobs(args, root: Path) -> list[tuple[str, int]]:
     todo = [(v, s) for s in args.seeds for v in args.only if not (root / "results" / f"{v}-seed{s}.json").exists()]
     i, n = args.parts
     return todo[i - 1::n]
-
-
-def parse_parts(text: str) -> tuple[int, int]:
-    i, n = (int(x) for x in text.split("/"))
-    if not 1 <= i <= n:
-        raise argparse.ArgumentTypeError(f"--parts {text}: want I/N with 1 <= I <= N")
-    return i, n
 
 
 def parse_args(argv):

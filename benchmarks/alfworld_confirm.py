@@ -54,6 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import alfworld_confirm_report as report  # noqa: E402  (the sibling module, importable however this file is loaded)
+from studies import parse_parts  # noqa: E402
 
 from agentenv.envs.alfworld_data import TASK_TYPES  # noqa: E402
 
@@ -268,13 +269,6 @@ def settings(args) -> dict:
     return {k: getattr(args, k) for k in ("warm_starts", "seeds", "updates", "dev_games", "warm_samples", "samples",
                                           "other_samples", "dev_samples", "smoke", "data")} | {
         "preset_types": preset_types(args)}
-
-
-def parse_parts(text: str) -> tuple[int, int]:
-    i, n = (int(x) for x in text.split("/"))
-    if not 1 <= i <= n:
-        raise argparse.ArgumentTypeError(f"--parts {text}: want I/N with 1 <= I <= N")
-    return i, n
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO / "scripts"))
 import demo_stability_report as report  # noqa: E402  (the sibling module, importable however this file is loaded)
+from studies import one_design, parse_parts  # noqa: E402
 from figures import shown, stamp  # noqa: E402  (scripts/figures.py: the stamp and paths every figure uses)
 
 # arm -> --set overrides on top of the demo preset (and --lr)
@@ -140,22 +141,9 @@ def load(root: Path) -> dict[str, dict]:
 
 
 def design(args, root: Path) -> None:
-    """One root, one design (as benchmarks/ablations.py): a run with other options is refused; a report reads the
-    saved design."""
-    path, now = root / "settings.json", {k: getattr(args, k) for k in DESIGN}
-    if not path.exists():
-        if not args.report_only:
-            path.write_text(json.dumps(now, indent=2))
-        return
-    was = json.loads(path.read_text())
-    if args.report_only:
-        vars(args).update({k: was[k] for k in DESIGN if k in was})
-        return
-    differ = [k for k in DESIGN if was.get(k) != now[k]]
-    if differ:
-        raise SystemExit(f"demo_stability: {root} holds runs of another design ("
-                         + ", ".join(f"{k}: {was.get(k)} there, {now[k]} here" for k in differ)
-                         + "): pass the same options, or another --root")
+    """One root, one design (:func:`studies.one_design` over :data:`DESIGN`): a report takes the saved one."""
+    vars(args).update(one_design(root, {k: getattr(args, k) for k in DESIGN}, study="demo_stability",
+                                 report_only=args.report_only))
 
 
 def study(args, root: Path) -> None:
@@ -180,13 +168,6 @@ def study(args, root: Path) -> None:
         print(f"  {name}: {r['wall_s']:.0f}s" + (f"  held-out success {h['success_rate']:.2f}, tool "
                                                  f"{h['tool_call_rate']:.2f}{'  FAILED' if r['failed'] else ''}"
                                                  if h else ""), flush=True)
-
-
-def parse_parts(text: str) -> tuple[int, int]:
-    i, n = (int(x) for x in text.split("/"))
-    if not 1 <= i <= n:
-        raise argparse.ArgumentTypeError(f"--parts {text}: want I/N with 1 <= I <= N")
-    return i, n
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -236,13 +236,21 @@ def figure_demo(args) -> int:
     return 0
 
 
-def figure_ablations(args) -> int:
-    """The study's own script does the work (resumable per run); this only fixes where its runs and table live."""
-    root = runs_root(args) / "ablations"
-    cmd = [sys.executable, "benchmarks/ablations.py", "--root", shown(root),
-           "--out", shown(args.out or ROOT / "docs" / "results.md"), *args.study]
+def flag_study(figure: str, script: str, doc: str, args) -> int:
+    """A study whose own script does the work (resumable per run, ``--parts``, ``--report-only``); this only fixes
+    where its runs and table live."""
+    root = runs_root(args) / figure
+    cmd = [sys.executable, script, "--root", shown(root), "--out", shown(args.out or ROOT / "docs" / doc), *args.study]
     cmd += ["--report-only"] if args.no_run else ["--parts", args.parts]
-    return run_study("ablations", root, cmd, args)
+    return run_study(figure, root, cmd, args)
+
+
+def figure_ablations(args) -> int:
+    return flag_study("ablations", "benchmarks/ablations.py", "results.md", args)
+
+
+def figure_stability(args) -> int:
+    return flag_study("stability", "benchmarks/demo_stability.py", "demo_stability.md", args)
 
 
 def figure_alfworld(args) -> int:
@@ -252,15 +260,6 @@ def figure_alfworld(args) -> int:
            "--root", shown(root), "--out", shown(args.out or ROOT / "docs" / "alfworld_confirm.md")]
     cmd += [] if args.no_run else ["--parts", args.parts, *args.study]
     return run_study("alfworld", root, cmd, args)
-
-
-def figure_stability(args) -> int:
-    """The study's own script does the work (resumable per unit); this only fixes where its units and report live."""
-    root = runs_root(args) / "stability"
-    cmd = [sys.executable, "benchmarks/demo_stability.py", "--root", shown(root),
-           "--out", shown(args.out or ROOT / "docs" / "demo_stability.md"), *args.study]
-    cmd += ["--report-only"] if args.no_run else ["--parts", args.parts]
-    return run_study("stability", root, cmd, args)
 
 
 def run_study(figure: str, root: Path, cmd: list[str], args) -> int:
