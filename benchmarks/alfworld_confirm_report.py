@@ -7,9 +7,9 @@ Contract:
 * Per split (valid_seen and valid_unseen: the preset's task types, then all six; dev: the tuning split) and per
   arm (RL, permuted rewards, continued SFT): the change against the arm's OWN warm start, paired game by game --
   mean over warm starts of the mean over their runs of the mean over games of (after rate - before rate) -- with a
-  95% bootstrap interval over warm starts, then runs, then games (:func:`agentenv.run.report.nested_paired_interval`);
+  95% bootstrap interval over warm starts, then runs, then games (:func:`agentenv.run.report.nested_paired_test`);
   and RL against each control directly, paired by warm start (and seed, for the permuted arm) and game. The
-  baseline and arm columns are weighted as the change is (:func:`game_means`), so arm - baseline = change.
+  baseline and arm columns are weighted as the change is (:func:`nested_paired_test`), so arm - baseline = change.
 * Per task type (all six, zeros shown; a type with no games in the split says so): pooled successes / episodes of
   every warm start and of every arm.
 * The result first (:func:`result_lines`): RL against its warm start and each control on the preset's task types of
@@ -26,7 +26,7 @@ from statistics import NormalDist
 
 from agentenv.envs.alfworld_data import TASK_TYPES
 from agentenv.core.stats import holm
-from agentenv.run.report import nested_paired_interval, nested_paired_test
+from agentenv.run.report import nested_paired_test
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -72,26 +72,14 @@ def arm_groups(res: dict[str, dict], arm: str, split: str, baseline: str = "warm
     return [groups[k] for k in sorted(groups)]
 
 
-def game_means(groups: list) -> tuple[float, float]:
-    """Baseline and arm success weighted as the change is (:func:`nested_paired_interval`): over the games every
-    evaluation played, the mean over warm starts of the mean over their runs of the mean game success rate, so
-    arm - baseline is the change however unequal the runs per warm start or the plays per game."""
-    pairs = [p for g in groups for p in g]
-    keys = set.intersection(*(set(b) & set(a) for b, a in pairs))
-    rate = lambda c: sum(c[k][0] / c[k][1] for k in keys) / len(keys)  # noqa: E731
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return tuple(mean([mean([rate(p[i]) for p in g]) for g in groups]) for i in (0, 1))
-
-
 def change_row(label: str, groups: list) -> str:
     runs = sum(len(g) for g in groups)
     if not runs:
         return f"| {label} | 0 | | | not run yet |"
     try:
-        change, lo, hi, games = nested_paired_interval(groups)
-        before, after = game_means(groups)
-        means = f"{before:.3f} | {after:.3f}"
-        cell = f"**{change:+.3f}** [{lo:+.3f}, {hi:+.3f}] over {games} games"
+        t = nested_paired_test(groups)
+        means = f"{t['before']:.3f} | {t['after']:.3f}"
+        cell = f"**{t['change']:+.3f}** [{t['low']:+.3f}, {t['high']:+.3f}] over {t['tasks']} games"
     except ValueError as e:
         means, cell = " | ", f"n/a ({e})"
     sizes = [len(g) for g in groups]  # K x S when every warm start has as many runs; else each one's count
@@ -115,12 +103,10 @@ def result_lines(res: dict[str, dict], partial: bool) -> list[str]:
     (:func:`nested_paired_test`), Holm-adjusted across those that have runs, with the change this design detects at
     power :data:`POWER` at Holm's strictest level (a normal approximation from the bootstrap standard error), and a
     verdict that can come out either way."""
-    tests, rows = {}, []
-    for split, label, base in PRIMARY:
-        try:
-            tests[(split, label)] = nested_paired_test(arm_groups(res, "rl", split, base))
-        except ValueError:  # no runs of this pair yet, or too few games: not in the family
-            pass
+    rows = []
+    # a comparison with no runs yet is not in the family
+    tests = {(split, label): nested_paired_test(groups) for split, label, base in PRIMARY
+             for groups in [arm_groups(res, "rl", split, base)] if any(groups)}
     m = len(tests)
     for key, p_adj in zip(tests, holm([t["p"] for t in tests.values()])):
         tests[key]["p_holm"] = p_adj

@@ -138,7 +138,8 @@ def nested_paired_interval(groups: list[list[tuple[dict, dict]]], *, level: floa
 
 def nested_paired_test(groups: list[list[tuple[dict, dict]]], *, level: float = 0.95, resamples: int = 10_000,
                        seed: int = 0) -> dict:
-    """:func:`nested_paired_interval` as a test: ``{change, low, high, tasks, se, p}``. ``se`` is the bootstrap
+    """:func:`nested_paired_interval` as a test: ``{change, low, high, tasks, se, p, before, after}``; ``before`` and
+    ``after`` are weighted as the change is, so after - before = change. ``se`` is the bootstrap
     replicates' standard deviation; ``p`` the two-sided bootstrap p of "no change" that matches the percentile
     interval (twice the smaller tail of replicates at or beyond 0, as ``(k + 1) / (R + 1)``, so never 0): the
     interval excludes 0 at level 1 - a exactly when p <= a, up to the replicates' granularity."""
@@ -156,6 +157,9 @@ def nested_paired_test(groups: list[list[tuple[dict, dict]]], *, level: float = 
             raise ValueError("counts must be [successes, episodes] with 0 <= successes <= episodes >= 1")
         return c[:, 0] / c[:, 1]
 
+    def nested_mean(side: int) -> float:  # over groups, then their runs, then tasks: the change's own weighting
+        return float(np.mean([np.mean([rates(p[side]) for p in g], axis=0) for g in groups], axis=0).mean())
+
     diffs = [np.array([rates(a) - rates(b) for b, a in g]) for g in groups]  # per group: runs x tasks
     change = float(np.mean([d.mean(axis=0) for d in diffs], axis=0).mean())
     rng = np.random.default_rng(seed)
@@ -169,7 +173,7 @@ def nested_paired_test(groups: list[list[tuple[dict, dict]]], *, level: float = 
     tail = min(int((boot <= 0).sum()), int((boot >= 0).sum()))
     p = min(1.0, 2 * (tail + 1) / (resamples + 1))
     return {"change": change, "low": float(lo), "high": float(hi), "tasks": len(keys), "se": float(boot.std()),
-            "p": p}
+            "p": p, "before": nested_mean(0), "after": nested_mean(1)}
 
 
 def _successes(ev: dict) -> int:
