@@ -21,6 +21,10 @@ unit whose warm start another part has not finished yet waits for a later call):
   of the preset's SFT set (drawn once, seeded by K, without replacement), one epoch, at RL's optimizer settings
   (``algo.lr``, schedule, weight decay, grad clip; warmup ``algo.warmup_ratio`` of the steps) and SFT's loss (the
   preset's ``sft.context_loss_weight``). Only the training signal differs from RL: demos, not its own rewarded plays.
+* ``rewarm-kK`` (only when needed): a unit whose warm start's model is not under ``ROOT/work`` (a part on another
+  machine, a lost work directory) first trains that SFT again (:func:`rebuild_warm_start`). Training is not bitwise
+  reproducible across machines: a remake whose held-out NLL is not the original's is another warm start of the same
+  recipe, evaluated once as ``rewarm-kK``; the runs from it pair with that, not with ``warm-kK``.
 
 Evaluation of every model: ``valid_seen`` and ``valid_unseen`` of the full json_2.1.1 games (``$ALFWORLD_DATA``,
 else the archive ``--archive`` unpacked once into the agentenv cache), the preset's env settings and turn limit
@@ -61,6 +65,7 @@ from agentenv.envs.alfworld_data import TASK_TYPES  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 PRESET = "alfworld_demo"
 ARCHIVE = REPO.parent / "shared" / "data" / "alfworld" / "alfworld-json_2.1.1.tar.xz"
+SAME_NLL = 1e-3  # a remade warm start within this held-out NLL of the original's is the same model (rounding only)
 QUIET = ["run.tensorboard=false", "run.plot=false", "run.save_trajectories=false"]
 # the smoke trains one task type, so that the shipped games (the preset's two types) hold an "other" type to evaluate
 SMOKE = ["loop.batch_size=2", "loop.concurrency=2", "eval.episodes=2", "env.num_tasks=4", "run.threads=2",
@@ -194,7 +199,60 @@ def unit_csft(args, k: int, work: Path) -> dict:
 
 
 def model_of(args, k: int) -> str:
-    return json.loads((Path(args.root) / "results" / f"sft-k{k}.json").read_text())["model"]
+    return str(Path(args.root) / "work" / f"sft-k{k}" / "sft_model")
+
+
+def model_here(args, sft_unit: str) -> bool:
+    """Whether the model of ``sft-kK`` is under this root (else a unit from it remakes it first)."""
+    return Path(model_of(args, int(sft_unit.split("-k")[1])), "config.json").is_file()
+
+
+def heldout_drift(a: dict, b: dict) -> float:
+    """How far two SFT runs' models are apart: the largest gap in held-out NLL after an epoch (inf if they differ in
+    steps or demos)."""
+    if (a["steps"], a["demos"], len(a["heldout"])) != (b["steps"], b["demos"], len(b["heldout"])):
+        return float("inf")
+    return max((abs(x["all"]["nll"] - y["all"]["nll"]) for x, y in zip(a["heldout"], b["heldout"])), default=0.0)
+
+
+def rebuild_warm_start(args, k: int) -> dict | None:
+    """Warm start K's model, remade when its SFT finished but the model is not here (another machine ran it, or its
+    work directory was lost). Training is not bitwise reproducible across machines and library versions, so the
+    remade model is checked against the original by held-out NLL after each epoch. If it matches (within
+    :data:`SAME_NLL`), the arms still pair with ``warm-kK``; if not, it is another warm start of the same recipe, and
+    the arms that start from it pair with its own evaluation, ``rewarm-kK`` (the report compares their changes with
+    those of the runs from the original). A model remade once more must match the first remake: ``rewarm-kK`` and the
+    runs paired with it were made from that one. Returns what the remake found (kept with every unit that uses it),
+    None for the original model."""
+    work, results = Path(model_of(args, k)).parent, Path(args.root) / "results"
+    marker = work / "rebuilt.json"
+    if model_here(args, f"sft-k{k}"):
+        return json.loads(marker.read_text()) if marker.is_file() else None
+    saved = json.loads((results / f"sft-k{k}.json").read_text())["sft"]
+    first = results / f"rewarm-k{k}.json"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    print(f"alfworld_confirm: warm start {k}'s model is not under {work}: running its SFT again", flush=True)
+    t0 = time.perf_counter()
+    again = unit_sft(args, k, work)["sft"]
+    drift = heldout_drift(saved, again)
+    if first.is_file():
+        remade = json.loads(first.read_text())["warm_start"]
+        if heldout_drift(remade["sft"], again) > SAME_NLL:
+            shutil.rmtree(work)
+            sys.exit(f"alfworld_confirm: warm start {k} remade again differs from its first remake (held-out NLL off "
+                     f"by {heldout_drift(remade['sft'], again):.2g}), which rewarm-k{k} evaluated and runs were paired "
+                     f"with: run what is left of warm start {k} where that model is, or start a new --root")
+        baseline = first.stem
+    else:  # before warm-kK is saved, warm-kK itself evaluates the remade model
+        same = drift <= SAME_NLL or not (results / f"warm-k{k}.json").is_file()
+        baseline = f"warm-k{k}" if same else f"rewarm-k{k}"
+    found = {"rebuilt": True, "heldout_nll_drift": drift, "baseline": baseline, "wall_s": time.perf_counter() - t0,
+             "sft": {key: again[key] for key in ("steps", "demos", "heldout")}}
+    marker.write_text(json.dumps(found, indent=1))
+    print(f"alfworld_confirm: warm start {k} remade in {found['wall_s']:.0f}s, held-out NLL {drift:.2g} from the "
+          f"original's: its arms pair with {baseline}", flush=True)
+    return found
 
 
 def units(args) -> list[tuple[str, str | None]]:
@@ -210,6 +268,10 @@ def run_unit(args, name: str) -> dict:
     kind, *rest = name.split("-")
     k = int(rest[0][1:])
     seed = int(rest[1][1:]) if len(rest) > 1 else None
+    remade = None if kind == "sft" else rebuild_warm_start(args, k)
+    if remade and kind not in ("warm", "rewarm") and not (Path(args.root) / "results" / f"{remade['baseline']}.json"
+                                                          ).is_file():
+        save_unit(args, remade["baseline"])  # the remade warm start's own evaluation, before any arm from it
     work = Path(args.root) / "work" / name
     if work.exists():  # an unfinished unit: start it again from scratch
         shutil.rmtree(work)
@@ -217,13 +279,21 @@ def run_unit(args, name: str) -> dict:
     t0 = time.perf_counter()
     if kind == "sft":
         out = unit_sft(args, k, work)
-    elif kind == "warm":
+    elif kind in ("warm", "rewarm"):
         out = unit_warm(args, k, work)
     elif kind in ("rl", "perm"):
         out = unit_rl(args, k, seed, work, permute=kind == "perm")
     else:
         out = unit_csft(args, k, work)
-    return {"unit": name, "kind": kind, "k": k, "seed": seed, "wall_s": time.perf_counter() - t0, **out}
+    return {"unit": name, "kind": kind, "k": k, "seed": seed, "wall_s": time.perf_counter() - t0, **out,
+            **({"warm_start": remade} if remade else {})}
+
+
+def save_unit(args, name: str) -> None:
+    r = run_unit(args, name)
+    (Path(args.root) / "results" / f"{name}.json").write_text(json.dumps(r, indent=1))
+    print(f"  {name}: {r['wall_s']:.0f}s  " + "  ".join(
+        f"{s} {e['successes']}/{e['episodes']}" for s, e in r.get("evals", {}).items()), flush=True)
 
 
 def study(args) -> int:
@@ -241,6 +311,8 @@ def study(args) -> int:
     todo = [(u, need) for u, need in units(args) if not (results / f"{u}.json").exists()]
     i, n = args.parts
     mine = todo[i - 1::n]
+    # this part's units whose warm start's model is here go first: a remade one costs an SFT and an evaluation
+    mine.sort(key=lambda t: bool(t[1]) and not model_here(args, t[1]))
     print(f"alfworld_confirm: {len(todo)} units left under {args.root}; this part runs {len(mine)}", flush=True)
     waiting, t0 = [], time.perf_counter()
     for j, (name, need) in enumerate(mine):
@@ -249,16 +321,17 @@ def study(args) -> int:
             continue
         if args.max_hours is not None:
             left = args.max_hours * 3600 - (time.perf_counter() - t0)
-            guess = report.mean_wall(report.load(Path(args.root)), name.split("-")[0])
+            saved = report.load(Path(args.root))
+            guess = report.mean_wall(saved, name.split("-")[0])
+            if need and not model_here(args, need):
+                # its warm start is remade first, and evaluated again unless it comes out the same
+                guess = (guess or 0) + sum(report.mean_wall(saved, kind) or 0 for kind in ("sft", "warm"))
             if left < (guess or 0) or left <= 0:
                 print(f"alfworld_confirm: stopping before {name} (~{(guess or 0) / 60:.0f} min, going by the saved "
                       f"units of its kind): it would end past --max-hours {args.max_hours:g}; "
                       f"{len(mine) - j} units of this part left, run again to go on", flush=True)
                 break
-        r = run_unit(args, name)
-        (results / f"{name}.json").write_text(json.dumps(r, indent=1))
-        print(f"  {name}: {r['wall_s']:.0f}s  " + "  ".join(
-            f"{s} {e['successes']}/{e['episodes']}" for s, e in r.get("evals", {}).items()), flush=True)
+        save_unit(args, name)
     if waiting:
         print(f"alfworld_confirm: {len(waiting)} units wait for a warm start another part has not finished: "
               f"{', '.join(waiting)}; run again when it has", flush=True)

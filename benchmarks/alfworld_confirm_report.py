@@ -8,7 +8,9 @@ Contract:
   arm (RL, permuted rewards, continued SFT): the change against the arm's OWN warm start, paired game by game --
   mean over warm starts of the mean over their runs of the mean over games of (after rate - before rate) -- with a
   95% bootstrap interval over warm starts, then runs, then games (:func:`agentenv.run.report.nested_paired_test`);
-  and RL against each control directly, paired by warm start (and seed, for the permuted arm) and game. The
+  and RL against each control directly, paired by warm start (and seed, for the permuted arm) and game; a run
+  from a remade warm start (a lost model trained again elsewhere, not bitwise the original) pairs with that model's
+  own evaluation, and RL vs a control that started elsewhere compares their changes (:func:`arm_groups`). The
   baseline and arm columns are weighted as the change is (:func:`nested_paired_test`), so arm - baseline = change.
 * Per task type (all six, zeros shown; a type with no games in the split says so): pooled successes / episodes of
   every warm start and of every arm.
@@ -58,18 +60,49 @@ def counts(unit: dict, split: str) -> dict | None:
     return {f"{i}:{g}": c for i, ev in enumerate(parts) for g, c in ev["task_successes"].items()}
 
 
-def arm_groups(res: dict[str, dict], arm: str, split: str, baseline: str = "warm") -> list[list[tuple[dict, dict]]]:
-    """Per warm start k: ``[(before, after), ...]`` of ``arm``'s runs, each paired with its ``baseline`` (the warm
-    start, or for RL vs a control the control run of the same k and seed, else of the same k)."""
+def baseline_of(res: dict[str, dict], unit: dict) -> dict | None:
+    """The evaluation of the model ``unit`` started from: its warm start's, or, for a run from a remade warm start
+    that is not the original (:func:`alfworld_confirm.rebuild_warm_start`), the remade model's own."""
+    return res.get((unit.get("warm_start") or {}).get("baseline") or f"warm-k{unit['k']}")
+
+
+def arm_groups(res: dict[str, dict], arm: str, split: str, baseline: str = "warm") -> list[list[tuple]]:
+    """Per warm start k: ``[(before, after), ...]`` of ``arm``'s runs, each paired with its ``baseline``: the
+    evaluation of the model it started from (:func:`baseline_of`), or for RL vs a control the control run of the same
+    k and seed (else of the same k). A control that started from another model than the RL run (a remade warm start)
+    enters as its change carried onto the RL run's start, so RL vs control compares their changes."""
     groups: dict[int, list] = {}
     for u in res.values():
-        if u["kind"] != arm or counts(u, split) is None:
+        start = baseline_of(res, u)
+        if u["kind"] != arm or counts(u, split) is None or start is None or counts(start, split) is None:
             continue
-        base = (res.get(f"{baseline}-k{u['k']}") if baseline in ("warm", "csft") else
-                res.get(f"{baseline}-k{u['k']}-s{u['seed']}"))
-        if base is not None and counts(base, split) is not None:
-            groups.setdefault(u["k"], []).append((counts(base, split), counts(u, split)))
+        if baseline == "warm":
+            before = counts(start, split)
+        else:
+            ctrl = res.get(f"{baseline}-k{u['k']}" if baseline == "csft" else f"{baseline}-k{u['k']}-s{u['seed']}")
+            ctrl_start = ctrl and baseline_of(res, ctrl)
+            if ctrl is None or counts(ctrl, split) is None or ctrl_start is None:
+                continue
+            before = counts(ctrl, split) if ctrl_start is start else [
+                (1, counts(ctrl, split)), (-1, counts(ctrl_start, split)), (1, counts(start, split))]
+        groups.setdefault(u["k"], []).append((before, counts(u, split)))
     return [groups[k] for k in sorted(groups)]
+
+
+def remade_lines(res: dict[str, dict]) -> list[str]:
+    """Which runs started from a remade warm start that is not the original, and how they are paired."""
+    remade = sorted({(u["k"], u["warm_start"]["baseline"], u["warm_start"]["heldout_nll_drift"]) for u in res.values()
+                     if (u.get("warm_start") or {}).get("baseline", "").startswith("rewarm")})
+    if not remade:
+        return []
+    runs = {k: sorted(u["unit"] for u in res.values() if u["kind"] != "rewarm"
+                      and (u.get("warm_start") or {}).get("baseline") == base) for k, base, _ in remade}
+    return ["**Remade warm starts.** A warm start's model was lost and its SFT run again on another machine; training "
+            "is not bitwise reproducible across machines, so the remake is another warm start of the same recipe. "
+            "The runs from it are paired with its own evaluation (`rewarm-kK`, at the warm starts' plays per game), "
+            "and RL against a control from it compares the two runs' changes from their own starts:", "",
+            *(f"- warm start {k}: held-out NLL {d:.3f} from the original's; evaluated as `{base}`; runs from it: "
+              f"{', '.join(runs[k]) or 'none yet'}" for k, base, d in remade), ""]
 
 
 def change_row(label: str, groups: list) -> str:
@@ -169,6 +202,7 @@ def cost_lines(res: dict[str, dict], s: dict) -> list[str]:
     times (an RL run stands for a permuted-reward one: the same work)."""
     k, n = s.get("warm_starts", 0), s.get("seeds", 0)
     planned = {"sft": k, "warm": k, "rl": k * n, "perm": k * n, "csft": k}
+    planned |= {"rewarm": n_re} if (n_re := sum(r["kind"] == "rewarm" for r in res.values())) else {}
     walls = {kind: [r["wall_s"] for r in res.values() if r["kind"] == kind] for kind in planned}
     rows, left_s, unknown = [], 0.0, []
     for kind, total in planned.items():
@@ -192,7 +226,7 @@ def write(root: Path, out: Path, *, command: str) -> str:
     settings_path = root / "settings.json"
     s = json.loads(settings_path.read_text()) if settings_path.exists() else {}
     planned = (s.get("warm_starts", 0) * (2 + 2 * s.get("seeds", 0) + 1)) if s else None
-    done = len(res)
+    done = sum(u["kind"] != "rewarm" for u in res.values())
     lines = ["# ALFWorld confirmatory study: RL from several warm starts against two controls", "",
              f"_Generated by `{command}` ({stamp()}) from the saved results under `{shown(root)}`. Do not edit by hand._"
              + (" **SMOKE RUN: numbers mean nothing.**" if s.get("smoke") else ""), ""]
@@ -212,6 +246,7 @@ def write(root: Path, out: Path, *, command: str) -> str:
               f"(the six-type rows join both); dev {s.get('dev_samples', '?')} plays per game. Each arm is paired "
               "game by game with its own warm start; intervals resample warm starts, then runs, then games.", ""]
     lines += result_lines(res, planned is not None and done < planned)
+    lines += remade_lines(res)
     lines += cost_lines(res, s)
     for split in SPLITS:
         lines += change_table(res, split, f"{split}, the preset's task types")

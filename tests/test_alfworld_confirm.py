@@ -12,9 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from agentenv.run.report import nested_paired_test
 
 pytest.importorskip("alfworld", reason="alfworld is not installed (pip install 'agentenv[alfworld]')")
 
@@ -137,3 +140,65 @@ def test_the_rows_baseline_and_arm_columns_differ_by_exactly_the_change(data):
     before, after = (float(x) for x in row.split(" | ")[2:4])
     change = float(row.split("**")[1])
     assert after - before == pytest.approx(change, abs=1.5e-3)  # each printed to 3 decimals
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_rl_vs_a_control_from_a_remade_warm_start_compares_changes_and_is_direct_from_the_same_start(data):
+    """A control run from a remade warm start (``rewarm-k1``) enters RL vs control as its change from that start,
+    carried onto RL's start: the comparison is (RL - warm) - (control - rewarm), game by game. From the same start it
+    is RL - control, as before."""
+    report = _report()
+    games = data.draw(st.integers(2, 6))
+    plays = data.draw(st.lists(st.integers(1, 8), min_size=games, max_size=games))
+
+    def unit(name, kind, seed=None, baseline=None):
+        ts = {f"g{i}": [data.draw(st.integers(0, n)), n] for i, n in enumerate(plays)}
+        return {"unit": name, "kind": kind, "k": 1, "seed": seed, "evals": {"valid_seen": {"task_successes": ts}},
+                **({"warm_start": {"baseline": baseline, "heldout_nll_drift": 0.01}} if baseline else {})}
+
+    res = {u["unit"]: u for u in (unit("warm-k1", "warm"), unit("rewarm-k1", "rewarm", baseline="rewarm-k1"),
+                                  unit("rl-k1-s1", "rl", 1), unit("perm-k1-s1", "perm", 1, "rewarm-k1"))}
+    rate = {n: np.array([s / p for s, p in u["evals"]["valid_seen"]["task_successes"].values()])
+            for n, u in res.items()}
+    t = nested_paired_test(report.arm_groups(res, "rl", "valid_seen", "perm"), resamples=200)
+    want = ((rate["rl-k1-s1"] - rate["warm-k1"]) - (rate["perm-k1-s1"] - rate["rewarm-k1"])).mean()
+    assert t["change"] == pytest.approx(want) and t["after"] - t["before"] == pytest.approx(want)
+    assert "rewarm-k1" in "".join(report.remade_lines(res))
+    # the control's own change is paired with the remade start's evaluation
+    t = nested_paired_test(report.arm_groups(res, "perm", "valid_seen"), resamples=200)
+    assert t["change"] == pytest.approx((rate["perm-k1-s1"] - rate["rewarm-k1"]).mean())
+    del res["perm-k1-s1"]["warm_start"]  # from the original start: the direct comparison
+    ((before, _),), = report.arm_groups(res, "rl", "valid_seen", "perm")
+    assert before == report.counts(res["perm-k1-s1"], "valid_seen")
+
+
+def test_a_warm_start_whose_model_is_gone_is_remade_and_paired_with_its_own_evaluation_if_it_differs(tmp_path, capsys):
+    root, results, work = str(tmp_path), tmp_path / "results", tmp_path / "work"
+    assert CONFIRM.main(["run", "--smoke", "--root", root, "--parts", "1/5"]) == 0  # sft-k1 only
+    saved = json.loads((results / "sft-k1.json").read_text())
+    shutil.rmtree(work / "sft-k1")  # as on another machine, or after the work directory was lost
+    assert CONFIRM.main(["run", "--smoke", "--root", root, "--parts", "1/4"]) == 0  # warm-k1, on the remade model
+    warm = json.loads((results / "warm-k1.json").read_text())
+    assert warm["warm_start"]["heldout_nll_drift"] <= CONFIRM.SAME_NLL and warm["warm_start"]["baseline"] == "warm-k1"
+    assert json.loads((results / "sft-k1.json").read_text()) == saved  # the record of the original is kept
+    assert "running its SFT again" in capsys.readouterr().out
+    # a remake that is not the original (here: a saved held-out NLL it cannot match, as across machines) is another
+    # warm start of the same recipe: it is evaluated as rewarm-k1 before the first arm from it, which pairs with that
+    shutil.rmtree(work / "sft-k1")
+    saved["sft"]["heldout"][-1]["all"]["nll"] += 0.5
+    (results / "sft-k1.json").write_text(json.dumps(saved))
+    assert CONFIRM.main(["run", "--smoke", "--root", root, "--parts", "1/3"]) == 0  # rl-k1-s1
+    rl, rewarm = (json.loads((results / f"{u}.json").read_text()) for u in ("rl-k1-s1", "rewarm-k1"))
+    assert rl["warm_start"]["baseline"] == "rewarm-k1" and rl["warm_start"]["heldout_nll_drift"] > 0.4
+    assert rewarm["kind"] == "rewarm" and set(rewarm["evals"]) == set(warm["evals"])
+    report = CONFIRM.report
+    assert report.baseline_of(report.load(tmp_path), rl) is not None
+    # remade once more, it must be the first remake: rewarm-k1 and rl-k1-s1 were made from that one
+    shutil.rmtree(work / "sft-k1")
+    rewarm["warm_start"]["sft"]["heldout"][-1]["all"]["nll"] += 0.5
+    (results / "rewarm-k1.json").write_text(json.dumps(rewarm))
+    with pytest.raises(SystemExit, match="remade again differs from its first remake"):
+        CONFIRM.main(["run", "--smoke", "--root", root, "--parts", "1/2"])  # perm-k1-s1 needs it
+    assert not (work / "sft-k1").exists() and not (work / "perm-k1-s1").exists()
+    assert sorted(p.stem for p in results.iterdir()) == ["rewarm-k1", "rl-k1-s1", "sft-k1", "warm-k1"]

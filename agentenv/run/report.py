@@ -139,7 +139,9 @@ def nested_paired_interval(groups: list[list[tuple[dict, dict]]], *, level: floa
 def nested_paired_test(groups: list[list[tuple[dict, dict]]], *, level: float = 0.95, resamples: int = 10_000,
                        seed: int = 0) -> dict:
     """:func:`nested_paired_interval` as a test: ``{change, low, high, tasks, se, p, before, after}``; ``before`` and
-    ``after`` are weighted as the change is, so after - before = change. ``se`` is the bootstrap
+    ``after`` are weighted as the change is, so after - before = change. A side of a pair may also be a list of
+    ``(sign, counts)`` whose per-task rates add up: a difference in differences, e.g. a control's change carried onto
+    another starting point, ``[(1, control), (-1, control_start), (1, own_start)]``. ``se`` is the bootstrap
     replicates' standard deviation; ``p`` the two-sided bootstrap p of "no change" that matches the percentile
     interval (twice the smaller tail of replicates at or beyond 0, as ``(k + 1) / (R + 1)``, so never 0): the
     interval excludes 0 at level 1 - a exactly when p <= a, up to the replicates' granularity."""
@@ -147,15 +149,22 @@ def nested_paired_test(groups: list[list[tuple[dict, dict]]], *, level: float = 
     pairs = [p for g in groups for p in g]
     if not pairs:
         raise ValueError("a nested interval needs at least one (before, after) pair")
-    keys = sorted(set.intersection(*(set(b) & set(a) for b, a in pairs)), key=str)
+
+    def terms(side) -> list[tuple[int, dict]]:  # a side is counts, or [(sign, counts), ...] whose rates add up
+        return side if isinstance(side, list) else [(1, side)]
+
+    keys = sorted(set.intersection(*(set(c) for b, a in pairs for _, c in terms(b) + terms(a))), key=str)
     if len(keys) < 2:
         raise ValueError(f"a paired interval needs at least two tasks played in every evaluation, got {len(keys)}")
 
-    def rates(counts: dict) -> np.ndarray:
+    def one(counts: dict) -> np.ndarray:
         c = np.array([counts[k] for k in keys], dtype=float)
         if (c[:, 1] < 1).any() or (c[:, 0] < 0).any() or (c[:, 0] > c[:, 1]).any():
             raise ValueError("counts must be [successes, episodes] with 0 <= successes <= episodes >= 1")
         return c[:, 0] / c[:, 1]
+
+    def rates(side) -> np.ndarray:
+        return sum(sign * one(c) for sign, c in terms(side))
 
     def nested_mean(side: int) -> float:  # over groups, then their runs, then tasks: the change's own weighting
         return float(np.mean([np.mean([rates(p[side]) for p in g], axis=0) for g in groups], axis=0).mean())
