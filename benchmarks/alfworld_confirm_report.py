@@ -81,7 +81,7 @@ def arm_groups(res: dict[str, dict], arm: str, split: str, baseline: str = "warm
         else:
             ctrl = res.get(f"{baseline}-k{u['k']}" if baseline == "csft" else f"{baseline}-k{u['k']}-s{u['seed']}")
             ctrl_start = ctrl and baseline_of(res, ctrl)
-            if ctrl is None or counts(ctrl, split) is None or ctrl_start is None:
+            if ctrl is None or counts(ctrl, split) is None or ctrl_start is None or counts(ctrl_start, split) is None:
                 continue
             before = counts(ctrl, split) if ctrl_start is start else [
                 (1, counts(ctrl, split)), (-1, counts(ctrl_start, split)), (1, counts(start, split))]
