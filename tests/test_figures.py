@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURES = [("demo", "docs/demo.md", ["--no-readme"]), ("ablations", "docs/results.md", []),
-           ("alfworld", "docs/alfworld_confirm.md", [])]
+           ("alfworld", "docs/alfworld_confirm.md", []), ("stability", "docs/demo_stability.md", [])]
 
 
 def figures(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
