@@ -237,11 +237,11 @@ def rebuild_warm_start(args, k: int) -> dict | None:
     again = unit_sft(args, k, work)["sft"]
     drift = heldout_drift(saved, again)
     if first.is_file():
-        remade = json.loads(first.read_text())["warm_start"]
-        if heldout_drift(remade["sft"], again) > SAME_NLL:
+        off = heldout_drift(json.loads(first.read_text())["warm_start"]["sft"], again)
+        if off > SAME_NLL:
             shutil.rmtree(work)
             sys.exit(f"alfworld_confirm: warm start {k} remade again differs from its first remake (held-out NLL off "
-                     f"by {heldout_drift(remade['sft'], again):.2g}), which rewarm-k{k} evaluated and runs were paired "
+                     f"by {off:.2g}), which rewarm-k{k} evaluated and runs were paired "
                      f"with: run what is left of warm start {k} where that model is, or start a new --root")
         baseline = first.stem
     else:  # before warm-kK is saved, warm-kK itself evaluates the remade model

@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import uuid
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from agentenv.envs.alfworld_expert import ALFWorldExpert
 from gymnasium.utils import seeding
 from gymnasium.utils.env_checker import check_env
 
+from agentenv.core.cache import atomic_dir
 from agentenv.core.runtime import EpisodeSpec, RolloutConfig, run_episode
 
 pytestmark = pytest.mark.alfworld
@@ -40,31 +40,19 @@ PICK_PLACE = "json_2.1.1/valid_unseen/pick_and_place_simple-Mug-None-Desk-308/tr
 
 
 def unpack_archive() -> Path:
-    """The archive unpacked under CACHE (once; concurrent test processes race safely through a rename)."""
-    def unpacked() -> bool:  # ours (its marker), or the ALFWorld study's atomic unpack into the same cache directory
-        return (CACHE / ".unpacked").is_file() or (CACHE / "json_2.1.1").is_dir()
-
-    if unpacked():
-        return CACHE
-    if not ARCHIVE.is_file():
+    """The archive unpacked under CACHE once, through the cache's one rename (:func:`atomic_dir`): concurrent test
+    processes, and the ALFWorld study unpacking into the same directory, end with one copy."""
+    if not CACHE.exists() and not ARCHIVE.is_file():
         pytest.skip(f"ALFWorld archive not found at {ARCHIVE} (the shared data folder next to the repo)")
-    tmp = CACHE.parent / f".{CACHE.name}.{uuid.uuid4().hex}"
-    tmp.mkdir(parents=True)
-    try:
-        if shutil.which("tar"):
-            subprocess.run(["tar", "-xJf", str(ARCHIVE), "-C", str(tmp)], check=True)
+
+    def unpack(out: Path) -> None:
+        if shutil.which("tar"):  # several times faster than tarfile's xz
+            subprocess.run(["tar", "-xJf", str(ARCHIVE), "-C", str(out)], check=True)
         else:
             with tarfile.open(ARCHIVE) as tar:
-                tar.extractall(tmp)
-        (tmp / ".unpacked").write_text(f"{ARCHIVE} {ARCHIVE.stat().st_size}\n")
-        try:
-            tmp.rename(CACHE)
-        except OSError:  # another process got there first
-            if not unpacked():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return CACHE
+                tar.extractall(out, filter="data")
+
+    return atomic_dir(CACHE, unpack)
 
 
 @pytest.fixture(scope="module")
